@@ -1,0 +1,46 @@
+"""The contracts between the parts: a data source and a preprocessing backend."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class DataSource(Protocol):
+    """Random access to encoded samples and their labels.
+
+    Implementations must be cheap to construct in every process that reads (coordinator,
+    prep actors, trials) and must give the same index the same sample in each of them.
+    """
+
+    root: str
+    classes: tuple[str, ...]
+    labels: np.ndarray  # int64, one per sample, indexed like the samples
+
+    def __len__(self) -> int: ...
+
+    def read(self, index: int) -> bytes:
+        """Encoded bytes of sample ``index`` (a JPEG stays a JPEG); raises SampleError."""
+        ...
+
+    def describe(self, index: int) -> str:
+        """Where sample ``index`` lives (a file path), for error messages."""
+        ...
+
+
+class Preprocessor(Protocol):
+    """Turns encoded samples into uint8 arrays of shape (3, size, size).
+
+    Augmentation must be a pure function of (seed, epoch, sample index): the same inputs give
+    the same bytes in any process, whichever actor does the work.
+    """
+
+    def train(self, data: bytes, seed: int, epoch: int, index: int) -> np.ndarray:
+        """Decode and randomly augment one training sample."""
+        ...
+
+    def eval(self, data: bytes) -> np.ndarray:
+        """Decode, resize and centre-crop one evaluation sample."""
+        ...

@@ -1,0 +1,32 @@
+"""Exceptions raised by coordinated_prep, each naming the thing at fault and the fix."""
+
+from __future__ import annotations
+
+
+class CoordinatedPrepError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class ConfigError(CoordinatedPrepError, ValueError):
+    """A configuration value (Python or YAML) is missing, unknown, of the wrong type or impossible."""
+
+
+class DatasetError(CoordinatedPrepError):
+    """A dataset cannot be used: missing path, no classes, no images, unreadable files."""
+
+
+class SampleError(CoordinatedPrepError):
+    """One sample could not be read or decoded; names the sample index and its file."""
+
+    def __init__(self, index: int, path: str, reason: str) -> None:
+        super().__init__(f"sample {index} ({path}): {reason}")
+        self.index = index
+        self.path = path
+        self.reason = reason
+
+    def __reduce__(self):  # keep the fields when Ray pickles the error across processes
+        return (SampleError, (self.index, self.path, self.reason))
+
+
+class PrepError(CoordinatedPrepError):
+    """Shared preparation failed for a trial: re-raised in the trial that asked, naming it."""

@@ -1,0 +1,198 @@
+"""The trial-side loaders: turn a stream of prepared pieces into torch batches of the trial's size."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+import torch
+
+from coordinated_prep.backends import make_preprocessor
+from coordinated_prep.chunk import PreparedChunk
+from coordinated_prep.errors import ConfigError
+from coordinated_prep.naming import SESSION_KEY
+from coordinated_prep.plan import holdout_split
+from coordinated_prep.sources import open_source
+from coordinated_prep.spec import DataSpec
+from coordinated_prep.streams import PieceStream, PrivateStream, SharedStream
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One minibatch, aligned by position.
+
+    Attributes:
+        images: ``torch.uint8`` of shape (N, 3, H, W); normalise on the trial's device.
+        labels: ``torch.int64`` class indices.
+        indices: ``torch.int64`` dataset index of each sample.
+        stream_epochs: ``torch.int64`` stream epoch whose augmentation draw produced each sample
+            (equal to the trial's epoch for a trial that started at piece 0, or unshared).
+    """
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    indices: torch.Tensor
+    stream_epochs: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+
+def resolve_spec(config: Mapping[str, Any] | DataSpec, key: str = "data") -> DataSpec:
+    """The DataSpec of a trial config (``config[key]``), or ``config`` itself if it is one."""
+    if isinstance(config, DataSpec):
+        return config
+    if not isinstance(config, Mapping) or key not in config:
+        raise ConfigError(f"train_loader: the trial config has no {key!r} entry; put a DataSpec under config[{key!r}]")
+    value = config[key]
+    if isinstance(value, DataSpec):
+        return value
+    if isinstance(value, Mapping):
+        return DataSpec.from_mapping(value, where=key)
+    raise ConfigError(f"config[{key!r}] is a {type(value).__name__}; expected a DataSpec or a mapping of its fields")
+
+
+class TrainLoader:
+    """Iterate once per epoch: ``for batch in loader`` yields the batches of the trial's next epoch.
+
+    Each epoch holds every training sample exactly once; the last batch may be smaller.
+
+    Args:
+        stream: Where the pieces come from (shared or private).
+        batch_size: Samples per batch.
+    """
+
+    def __init__(self, stream: PieceStream, batch_size: int) -> None:
+        self._stream = stream
+        self.batch_size = batch_size
+        self.epoch = 0
+        self.samples_per_epoch = stream.samples_per_epoch
+
+    @property
+    def start_piece(self) -> int:
+        """The stream piece at which this trial's first epoch started (0 when unshared)."""
+        return self._stream.start
+
+    def __len__(self) -> int:
+        return math.ceil(self.samples_per_epoch / self.batch_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        pending: list[PreparedChunk] = []  # pieces (or their tails) not yet put into a batch
+        have = 0
+        for _ in range(self._stream.chunks_per_epoch):
+            piece = self._stream.next_piece()
+            pending.append(piece)
+            have += len(piece.labels)
+            while have >= self.batch_size:
+                batch, pending = _take(pending, self.batch_size)
+                have -= self.batch_size
+                yield batch
+        if have:
+            yield _take(pending, have)[0]
+        self.epoch += 1
+
+    def close(self) -> None:
+        """Leave the data group now instead of when Tune reports the trial finished."""
+        self._stream.close()
+
+    def __enter__(self) -> "TrainLoader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _take(pending: list[PreparedChunk], n: int) -> tuple[Batch, list[PreparedChunk]]:
+    """Cut the first ``n`` samples off ``pending`` into a batch; returns (batch, rest)."""
+    first = pending[0]
+    if len(first.labels) == n:
+        # A whole piece is a whole batch: hand out its memory as it is (zero-copy from the store).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch warns that the array is read-only
+            images = torch.from_numpy(first.images)
+        parts, rest = [first], pending[1:]
+    else:
+        parts, rest, need = [], list(pending), n
+        while need:
+            piece = rest.pop(0)
+            k = min(need, len(piece.labels))
+            parts.append(PreparedChunk(piece.images[:k], piece.labels[:k], piece.indices[:k], piece.epoch))
+            if k < len(piece.labels):
+                rest.insert(0, PreparedChunk(piece.images[k:], piece.labels[k:], piece.indices[k:], piece.epoch))
+            need -= k
+        # One copy into trial-owned memory: the batch then pins no shared pieces.
+        images = torch.from_numpy(np.concatenate([p.images for p in parts]))
+    epochs = np.concatenate([np.full(len(p.labels), p.epoch, dtype=np.int64) for p in parts])
+    batch = Batch(
+        images=images,
+        labels=torch.from_numpy(np.concatenate([p.labels for p in parts])),
+        indices=torch.from_numpy(np.concatenate([p.indices for p in parts])),
+        stream_epochs=torch.from_numpy(epochs),
+    )
+    return batch, rest
+
+
+def train_loader(
+    config: Mapping[str, Any] | DataSpec, batch_size: int, *, key: str = "data",
+    trial_id: str | None = None, prefetch: int | None = None,
+) -> TrainLoader:
+    """The training loader of a Tune trial.
+
+    With ``coordinated=True`` the batches come from the trial's data group, prepared once for
+    all of its trials (requires ``search_alg=CoordinatedSearcher(...)``); otherwise the trial
+    prepares them itself, byte-identical for the same seed.
+
+    Args:
+        config: The trial's config (the DataSpec under ``config[key]``); a bare DataSpec only
+            with ``coordinated=False``.
+        batch_size: Samples per batch; trials of one group may differ.
+        key: Config key of the DataSpec.
+        trial_id: The consumer's id; defaults to the current Tune trial's id.
+        prefetch: Pieces requested ahead; defaults to two batches' worth.
+
+    Raises:
+        ConfigError: Bad batch size, no DataSpec in the config, or sharing without the searcher.
+    """
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ConfigError(f"train_loader: batch_size={batch_size!r} must be a positive integer")
+    spec = resolve_spec(config, key)
+    if not spec.coordinated:
+        return TrainLoader(PrivateStream(spec), batch_size)
+    session = config.get(SESSION_KEY) if isinstance(config, Mapping) else None
+    if not isinstance(session, str):
+        raise ConfigError(
+            f"config[{key!r}] has coordinated=True but the trial was not started by a CoordinatedSearcher: "
+            "run the sweep with search_alg=CoordinatedSearcher() (tune.run or tune.TuneConfig), pass the "
+            "whole trial config to train_loader, or set coordinated=False"
+        )
+    trial = trial_id or _current_trial_id()
+    depth = prefetch if prefetch is not None else 2 * math.ceil(batch_size / spec.chunk_size) + 1
+    return TrainLoader(SharedStream(spec, session, trial, depth), batch_size)
+
+
+def eval_loader(config: Mapping[str, Any] | DataSpec, batch_size: int, *, key: str = "data") -> Iterator[Batch]:
+    """Batches of the held-out split in index order, resized and centre-cropped in this process."""
+    spec = resolve_spec(config, key)
+    source = open_source(spec.dataset)
+    preprocessor = make_preprocessor(spec.pipeline)  # type: ignore[arg-type]
+    _, held = holdout_split(len(source), spec.holdout)
+    for lo in range(0, len(held), batch_size):
+        ids = held[lo : lo + batch_size]
+        images = np.stack([preprocessor.eval(source.read(int(i))) for i in ids])
+        yield Batch(torch.from_numpy(images), torch.from_numpy(source.labels[ids]), torch.from_numpy(ids),
+                    torch.full((len(ids),), -1, dtype=torch.int64))
+
+
+def _current_trial_id() -> str:
+    from ray import tune
+
+    try:
+        trial = tune.get_context().get_trial_id()
+    except Exception:  # outside a Tune trial the context raises or returns None, depending on version
+        trial = None
+    if not trial:
+        raise ConfigError("train_loader: not inside a Tune trial; pass trial_id=... to name this consumer")
+    return trial

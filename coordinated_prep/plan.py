@@ -1,0 +1,102 @@
+"""The stream plan: which samples every piece of the shared stream holds, from the seed alone.
+
+The shared stream is an endless sequence of pieces (chunks) numbered ``g = 0, 1, 2, ...``;
+piece ``g`` belongs to stream epoch ``g // chunks_per_epoch``. Each epoch is the whole training
+set once. The set is split once, from the seed, into ``segments`` of whole chunks kept in a
+fixed order; every epoch shuffles the samples *within* each segment anew.
+
+Why: a trial may join at any segment start ``g0`` and take the pieces ``[g0 + k*C, g0 + (k+1)*C)``
+as its epoch ``k`` (``C`` = chunks per epoch). The pieces before a segment start hold the same
+set of samples in every epoch, so that window holds every sample exactly once, and a joining
+trial need not wait for an epoch boundary, only for the next segment start.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+_ORDER_STREAM = 0x0DE2  # separates sample-order draws from augmentation draws
+
+
+class StreamPlan:
+    """Pure function from a piece number to the sample indices it holds.
+
+    Args:
+        sample_ids: Dataset indices of the training samples (any order; sorted internally).
+        seed: Seed of the partition into segments and of each epoch's shuffle.
+        chunk_size: Samples per piece; only the last piece of an epoch may be smaller.
+        segments: Requested join points per epoch (capped at the number of pieces).
+    """
+
+    def __init__(self, sample_ids: np.ndarray, seed: int, chunk_size: int, segments: int) -> None:
+        ids = np.sort(np.asarray(sample_ids, dtype=np.int64))
+        if ids.size == 0:
+            raise ValueError("StreamPlan needs at least one sample")
+        if chunk_size < 1 or segments < 1:
+            raise ValueError(f"chunk_size={chunk_size} and segments={segments} must be >= 1")
+        self.seed = seed
+        self.chunk_size = chunk_size
+        self.samples_per_epoch = int(ids.size)
+        self.chunks_per_epoch = math.ceil(ids.size / chunk_size)
+        self.segment_chunks = math.ceil(self.chunks_per_epoch / min(segments, self.chunks_per_epoch))
+        partition = np.random.default_rng((_ORDER_STREAM, seed)).permutation(ids)
+        step = self.segment_chunks * chunk_size
+        self._segments = tuple(partition[i : i + step] for i in range(0, ids.size, step))
+
+    @property
+    def num_segments(self) -> int:
+        """Join points per epoch."""
+        return len(self._segments)
+
+    def locate(self, g: int) -> tuple[int, int]:
+        """``(epoch, chunk within epoch)`` of piece ``g``."""
+        return divmod(g, self.chunks_per_epoch)
+
+    def chunk_samples(self, g: int) -> np.ndarray:
+        """Dataset indices held by piece ``g``, in delivery order."""
+        epoch, chunk = self.locate(g)
+        segment, offset = divmod(chunk, self.segment_chunks)
+        order = self._segment_order(epoch, segment)
+        return order[offset * self.chunk_size : (offset + 1) * self.chunk_size]
+
+    def chunk_len(self, g: int) -> int:
+        """Number of samples in piece ``g``."""
+        _, chunk = self.locate(g)
+        if chunk < self.chunks_per_epoch - 1:
+            return self.chunk_size
+        return self.samples_per_epoch - chunk * self.chunk_size
+
+    def is_join_point(self, g: int) -> bool:
+        """Whether a trial may start its first epoch at piece ``g``."""
+        return self.locate(g)[1] % self.segment_chunks == 0
+
+    def next_join_point(self, g: int) -> int:
+        """The first join point at or after piece ``g``."""
+        epoch, chunk = self.locate(g)
+        segment = math.ceil(chunk / self.segment_chunks)
+        if segment >= self.num_segments:
+            return (epoch + 1) * self.chunks_per_epoch
+        return epoch * self.chunks_per_epoch + segment * self.segment_chunks
+
+    @functools.lru_cache(maxsize=64)
+    def _segment_order(self, epoch: int, segment: int) -> np.ndarray:
+        rng = np.random.default_rng((_ORDER_STREAM, self.seed, epoch, segment))
+        order = rng.permutation(self._segments[segment])
+        order.setflags(write=False)
+        return order
+
+
+def holdout_split(num_samples: int, holdout: float) -> tuple[np.ndarray, np.ndarray]:
+    """Split dataset indices into (train, held out), fixed per dataset size whatever the seed.
+
+    The split does not depend on the data seed so that trials of different groups are evaluated
+    on the same held-out samples.
+    """
+    order = np.random.default_rng((_ORDER_STREAM, num_samples)).permutation(num_samples)
+    held = int(round(num_samples * holdout))
+    if num_samples - held < 1:
+        raise ValueError(f"holdout={holdout} leaves no training samples out of {num_samples}")
+    return np.sort(order[held:]).astype(np.int64), np.sort(order[:held]).astype(np.int64)

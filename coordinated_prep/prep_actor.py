@@ -1,0 +1,41 @@
+"""The prep actor: prepares the pieces its coordinator assigns and returns them to the object store."""
+
+from __future__ import annotations
+
+import numpy as np
+import ray
+
+from coordinated_prep.backends import make_preprocessor
+from coordinated_prep.chunk import ChunkTiming, PreparedChunk, prepare_chunk
+from coordinated_prep.sources import open_source
+from coordinated_prep.spec import DataSpec
+
+
+@ray.remote(num_cpus=0)
+class PrepActor:
+    """Reads and preprocesses pieces for one data group.
+
+    Owned by the group's coordinator (it dies with it). Created with ``max_restarts=-1`` and
+    ``max_task_retries`` by the coordinator, so a killed actor is restarted and its in-flight piece
+    prepared again; augmentation is a pure function of (seed, epoch, sample), so the retry is
+    byte-identical.
+
+    Args:
+        spec: The group's data spec.
+    """
+
+    def __init__(self, spec: DataSpec) -> None:
+        import torch
+
+        torch.set_num_threads(1)  # one actor per core: intra-op threads would only oversubscribe
+        self._spec = spec
+        self._source = open_source(spec.dataset)
+        self._preprocessor = make_preprocessor(spec.pipeline)  # type: ignore[arg-type]
+
+    def prepare(self, epoch: int, indices: np.ndarray) -> tuple[ChunkTiming, PreparedChunk]:
+        """Prepare one piece. Returns (timing, piece) as two objects: the coordinator awaits the
+        small first one and never pulls the images into its own process."""
+        chunk, timing = prepare_chunk(
+            self._source, self._preprocessor, self._spec.seed, epoch, indices, self._spec.pipeline.size  # type: ignore[union-attr]
+        )
+        return timing, chunk

@@ -1,0 +1,128 @@
+"""CoordinatedSearcher: any Tune search algorithm, plus the data groups its trials share."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any, Dict, Optional
+
+import ray
+from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter, SearchAlgorithm, Searcher, SearchGenerator
+
+from coordinated_prep.errors import ConfigError
+from coordinated_prep.naming import NAMESPACE, SESSION_KEY, registry_name
+from coordinated_prep.registry import GroupRegistry
+
+logger = logging.getLogger(__name__)
+
+_CALL_TIMEOUT_S = 60.0
+
+class CoordinatedSearcher(SearchAlgorithm):
+    """Wraps a Tune search algorithm and shares data preparation among the trials it suggests.
+
+    It owns a group registry actor (outside every trial's placement group). A trial whose loader
+    has ``coordinated=True`` joins the coordinator of its data group through the registry, which
+    starts that coordinator on first use. When Tune reports a trial complete (finished, stopped by
+    a scheduler, errored), the trial leaves its group; when a group's last trial leaves, its
+    coordinator, prep actors and staged pieces are destroyed. Call :meth:`close` after the sweep.
+
+    Args:
+        searcher: A Tune ``Searcher`` (e.g. OptunaSearch) or ``SearchAlgorithm``; default is Tune's
+            random/grid variant generation (``BasicVariantGenerator``).
+        max_concurrent: Most trials running at once (0 = no limit). Pass it here: Tune ignores
+            ``max_concurrent_trials`` for a SearchAlgorithm.
+    """
+
+    def __init__(self, searcher: Searcher | SearchAlgorithm | None = None, *, max_concurrent: int = 0) -> None:
+        if not isinstance(max_concurrent, int) or max_concurrent < 0:
+            raise ConfigError(f"CoordinatedSearcher: max_concurrent={max_concurrent!r} must be an integer >= 0")
+        if searcher is None:
+            inner: SearchAlgorithm = BasicVariantGenerator(max_concurrent=max_concurrent)
+        elif isinstance(searcher, Searcher):
+            limited = ConcurrencyLimiter(searcher, max_concurrent) if max_concurrent else searcher
+            inner = SearchGenerator(limited)
+        elif isinstance(searcher, SearchAlgorithm):
+            if max_concurrent:
+                raise ConfigError("CoordinatedSearcher: set max_concurrent on the SearchAlgorithm you pass, not here")
+            inner = searcher
+        else:
+            raise ConfigError(f"CoordinatedSearcher: searcher={searcher!r} is not a Tune Searcher or SearchAlgorithm")
+        self._inner = inner
+        self.searcher = getattr(inner, "searcher", None)  # Tune looks here for a ConcurrencyLimiter
+        self.session = uuid.uuid4().hex[:8]
+        self._registry: Any = None
+
+    # -- Tune's SearchAlgorithm hooks, delegated ---------------------------------------------
+    @property
+    def metric(self) -> Optional[str]:
+        return self._inner.metric
+
+    def set_search_properties(self, metric: Optional[str], mode: Optional[str], config: Dict, **spec) -> bool:
+        return self._inner.set_search_properties(metric, mode, config, **spec)
+
+    @property
+    def total_samples(self) -> int:
+        return self._inner.total_samples
+
+    def add_configurations(self, experiments) -> None:
+        self._inner.add_configurations(experiments)
+
+    def next_trial(self):
+        trial = self._inner.next_trial()
+        if trial is not None:
+            # Tune hides non-primitive config values (a DataSpec) behind placeholders until the
+            # trial is added, so the group is found later, by the trial, through the registry.
+            self._ensure_registry()
+            trial.config[SESSION_KEY] = self.session
+        return trial
+
+    def on_trial_result(self, trial_id: str, result: Dict) -> None:
+        self._inner.on_trial_result(trial_id, result)
+
+    def on_trial_complete(self, trial_id: str, result: Optional[Dict] = None, error: bool = False) -> None:
+        self._inner.on_trial_complete(trial_id, result=result, error=error)
+        if self._registry is None:
+            return
+        try:  # synchronous, so what only this trial held is freed before the next trial starts
+            ray.get(self._registry.trial_done.remote(trial_id), timeout=_CALL_TIMEOUT_S)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+            logger.warning("coordinated_prep: trial %s did not leave its data group cleanly: %s", trial_id, e)
+
+    def is_finished(self) -> bool:
+        return self._inner.is_finished()
+
+    def set_finished(self) -> None:
+        self._inner.set_finished()
+
+    def has_checkpoint(self, dirpath: str) -> bool:
+        return self._inner.has_checkpoint(dirpath)
+
+    def save_to_dir(self, dirpath: str, **kwargs) -> None:
+        self._inner.save_to_dir(dirpath, **kwargs)
+
+    def restore_from_dir(self, dirpath: str) -> None:
+        self._inner.restore_from_dir(dirpath)
+
+    # -- data groups ------------------------------------------------------------------------
+    def group_reports(self) -> dict[str, dict[str, Any]]:
+        """Per data group: samples prepared and served, prep seconds, peak staged bytes, and more."""
+        if self._registry is None:
+            return {}
+        return ray.get(self._registry.reports.remote(), timeout=_CALL_TIMEOUT_S)
+
+    def close(self) -> None:
+        """Destroy every data group and the registry (idempotent; call after the sweep)."""
+        if self._registry is None:
+            return
+        try:
+            ray.get(self._registry.shutdown.remote(), timeout=_CALL_TIMEOUT_S)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+            logger.warning("coordinated_prep: registry %s did not shut down cleanly: %s", registry_name(self.session), e)
+        ray.kill(self._registry)
+        self._registry = None
+
+    def _ensure_registry(self) -> None:
+        if self._registry is None:
+            self._registry = GroupRegistry.options(name=registry_name(self.session), namespace=NAMESPACE).remote(
+                self.session
+            )

@@ -1,0 +1,181 @@
+"""Configuration of a data group: what to read, how to prepare it, and how to share it."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+from coordinated_prep.errors import ConfigError
+
+Backend = Literal["torchvision"]
+BACKENDS: tuple[str, ...] = ("torchvision",)
+BUILTIN_PREFIX = "builtin:"
+
+
+def _pair(name: str, value: Any) -> tuple[float, float]:
+    try:
+        low, high = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r} must be a pair of numbers [low, high]") from None
+    if not (0 < low <= high):
+        raise ConfigError(f"{name}={value!r} must satisfy 0 < low <= high")
+    return low, high
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """Declarative preprocessing: decode, then augment for training or resize for evaluation.
+
+    Training: decode -> random resized crop to ``size`` -> horizontal flip with probability
+    ``hflip``. Evaluation: decode -> resize the shorter side to ``eval_resize`` -> centre crop
+    to ``size``. Outputs are ``uint8`` arrays of shape ``(3, size, size)``; normalisation to
+    float is the trial's job, on its own device.
+
+    Args:
+        size: Side of the square output, in pixels.
+        scale: Range of the crop's area as a fraction of the source image's area.
+        ratio: Range of the crop's aspect ratio (width / height).
+        hflip: Probability of a horizontal flip.
+        eval_resize: Shorter side before the evaluation centre crop; defaults to ``size * 8 / 7``.
+        backend: Library that decodes and transforms.
+    """
+
+    size: int = 112
+    scale: tuple[float, float] = (0.25, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    hflip: float = 0.5
+    eval_resize: int | None = None
+    backend: Backend = "torchvision"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or not 8 <= self.size <= 4096:
+            raise ConfigError(f"pipeline.size={self.size!r} must be an integer in [8, 4096]")
+        scale = _pair("pipeline.scale", self.scale)
+        if scale[1] > 1.0:
+            raise ConfigError(f"pipeline.scale={self.scale!r}: the upper bound must be at most 1.0")
+        object.__setattr__(self, "scale", scale)
+        object.__setattr__(self, "ratio", _pair("pipeline.ratio", self.ratio))
+        if not isinstance(self.hflip, (int, float)) or not 0.0 <= self.hflip <= 1.0:
+            raise ConfigError(f"pipeline.hflip={self.hflip!r} must be a probability in [0, 1]")
+        object.__setattr__(self, "hflip", float(self.hflip))
+        if self.eval_resize is None:
+            object.__setattr__(self, "eval_resize", math.ceil(self.size * 8 / 7))
+        elif not isinstance(self.eval_resize, int) or self.eval_resize < self.size:
+            raise ConfigError(
+                f"pipeline.eval_resize={self.eval_resize!r} must be an integer >= size={self.size} "
+                "(the centre crop must fit inside the resized image)"
+            )
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"pipeline.backend={self.backend!r} is not one of {list(BACKENDS)}")
+
+    @property
+    def sample_bytes(self) -> int:
+        """Bytes of one prepared sample (uint8, 3 x size x size)."""
+        return 3 * self.size * self.size
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], where: str = "pipeline") -> "PipelineSpec":
+        """Build from a plain mapping (YAML or a Python dict), rejecting unknown keys by name."""
+        return cls(**_known_keys(cls, values, where))
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What a trial trains on and whether its preparation is shared.
+
+    Trials whose specs are equal (dataset, pipeline, seed, sharing options) form one data group
+    and share one coordinator; any difference forms another group.
+
+    Args:
+        dataset: ``"builtin:shapes"`` or the path of a directory in ImageFolder layout.
+        pipeline: A :class:`PipelineSpec` or a mapping of its fields.
+        seed: Seed of the sample order and of every random augmentation.
+        coordinated: Share preparation between trials; ``False`` runs the same pipeline
+            inside each trial (the baseline, byte-identical for the same seed).
+        holdout: Fraction of the dataset held out for evaluation (split fixed per dataset).
+        chunk_size: Samples per prepared piece, the unit of work, staging and freeing.
+        segments: Join points per epoch; a trial joining mid-epoch starts at the next one.
+        prep_actors: Number of prep actors; ``None`` picks one per CPU of the node.
+        staging_fraction: Default staging budget as a fraction of the object store.
+        staging_bytes: Explicit staging budget in bytes (overrides ``staging_fraction``).
+        fetch_timeout_s: How long a trial waits for one piece before failing with an error.
+    """
+
+    dataset: str = "builtin:shapes"
+    pipeline: PipelineSpec | Mapping[str, Any] = field(default_factory=PipelineSpec)
+    seed: int = 0
+    coordinated: bool = True
+    holdout: float = 0.1
+    chunk_size: int = 32
+    segments: int = 16
+    prep_actors: int | None = None
+    staging_fraction: float = 0.25
+    staging_bytes: int | None = None
+    fetch_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pipeline, Mapping):
+            object.__setattr__(self, "pipeline", PipelineSpec.from_mapping(self.pipeline))
+        elif not isinstance(self.pipeline, PipelineSpec):
+            raise ConfigError(f"data.pipeline={self.pipeline!r} must be a PipelineSpec or a mapping")
+        if not isinstance(self.dataset, str) or not self.dataset:
+            raise ConfigError(f"data.dataset={self.dataset!r} must be 'builtin:<name>' or a directory path")
+        _check_int("data.seed", self.seed, 0)
+        if not isinstance(self.coordinated, bool):
+            raise ConfigError(f"data.coordinated={self.coordinated!r} must be true or false")
+        if not isinstance(self.holdout, (int, float)) or not 0.0 <= self.holdout < 1.0:
+            raise ConfigError(f"data.holdout={self.holdout!r} must be a fraction in [0, 1)")
+        _check_int("data.chunk_size", self.chunk_size, 1)
+        _check_int("data.segments", self.segments, 1)
+        if self.prep_actors is not None:
+            _check_int("data.prep_actors", self.prep_actors, 1)
+        if not isinstance(self.staging_fraction, (int, float)) or not 0.0 < self.staging_fraction <= 0.9:
+            raise ConfigError(f"data.staging_fraction={self.staging_fraction!r} must be in (0, 0.9]")
+        if self.staging_bytes is not None:
+            _check_int("data.staging_bytes", self.staging_bytes, 1)
+            if self.staging_bytes < self.chunk_bytes:
+                raise ConfigError(
+                    f"data.staging_bytes={self.staging_bytes} is smaller than one piece "
+                    f"({self.chunk_bytes} bytes = chunk_size x 3 x size x size); raise it or lower chunk_size"
+                )
+        if not isinstance(self.fetch_timeout_s, (int, float)) or self.fetch_timeout_s <= 0:
+            raise ConfigError(f"data.fetch_timeout_s={self.fetch_timeout_s!r} must be a positive number of seconds")
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one full prepared piece."""
+        return self.chunk_size * self.pipeline.sample_bytes  # type: ignore[union-attr]
+
+    @property
+    def group_key(self) -> str:
+        """Stable identifier of this spec's data group (equal specs, equal keys)."""
+        fields = dataclasses.asdict(self)
+        blob = json.dumps(fields, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], where: str = "data") -> "DataSpec":
+        """Build from a plain mapping (YAML or a Python dict), rejecting unknown keys by name."""
+        known = _known_keys(cls, values, where)
+        if isinstance(known.get("pipeline"), Mapping):
+            known["pipeline"] = PipelineSpec.from_mapping(known["pipeline"], f"{where}.pipeline")
+        return cls(**known)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
+
+
+def _known_keys(cls: type, values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{where} must be a mapping, got {type(values).__name__}")
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(allowed))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed keys are {allowed}")
+    return dict(values)

@@ -1,0 +1,167 @@
+"""The staging buffer: who still needs each prepared piece, and when it may be freed.
+
+Pure Python over explicit state, so that every rule here is tested without Ray; the coordinator
+actor is a thin shell that calls these methods and stores the object references in ``payload``.
+
+Life cycle of a piece ``g`` (the legal transitions; nothing else changes a slot):
+
+    (absent) --reserve--> RESERVED --mark_ready--> READY --last consumer fetched--> released
+                                   \\--mark_failed--> FAILED --last consumer fetched--> released
+
+- ``reserve`` happens only while the staged bytes plus the piece fit the byte budget (or nothing
+  else is staged, so one piece larger than the budget cannot deadlock the stream).
+- The consumers of a piece are fixed when it is reserved: every registered trial whose start is
+  at or before ``g``; a trial that joins later at a start ``<= g`` is added then.
+- A consumer leaving removes it from every slot; slots left without consumers are released as
+  soon as they are no longer in flight.
+- Release means the coordinator drops its reference. A trial that fetched the piece may still hold
+  its own (borrowed) reference to the current batch; Ray frees the memory when that is dropped too.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+class SlotState(enum.Enum):
+    """Where a staged piece is in its life cycle."""
+
+    RESERVED = "reserved"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass
+class Slot:
+    """One staged piece: its size, state, the trials that have not fetched it, and its payload."""
+
+    g: int
+    nbytes: int
+    waiting: set[str]
+    state: SlotState = SlotState.RESERVED
+    payload: Any = None
+
+
+@dataclass
+class Consumer:
+    """A registered trial: the piece its first epoch starts at and how many samples it was served."""
+
+    start: int
+    served_samples: int = 0
+
+
+class StagingBuffer:
+    """Consumers, staged pieces and the byte budget of one data group.
+
+    Args:
+        budget_bytes: Most bytes of pieces staged at once (reserved or ready).
+        next_join_point: Maps a piece number to the first join point at or after it.
+    """
+
+    def __init__(self, budget_bytes: int, next_join_point: Callable[[int], int]) -> None:
+        if budget_bytes < 1:
+            raise ValueError(f"budget_bytes={budget_bytes} must be positive")
+        self.budget_bytes = budget_bytes
+        self._next_join_point = next_join_point
+        self.head = 0  # the next piece to reserve
+        self.slots: dict[int, Slot] = {}
+        self.consumers: dict[str, Consumer] = {}
+        self.staged_bytes = 0
+        self.peak_bytes = 0
+
+    # -- consumers --------------------------------------------------------------------------
+    def join(self, trial: str) -> int:
+        """Register ``trial`` and return the piece its first epoch starts at.
+
+        A trial that is already registered (a retry under the same id) is first removed, so it
+        starts a fresh epoch. The start is the first join point from which every piece up to the
+        head is still staged, so the trial is served from what is already prepared when it can be.
+        """
+        self.leave(trial)
+        low = self.head
+        for g in range(self.head - 1, -1, -1):  # walk down over the contiguous staged run
+            if g not in self.slots:
+                break
+            low = g
+        start = self._next_join_point(low)
+        if not self.consumers and not self.slots:
+            self.head = max(self.head, start)  # nobody needs the pieces in between: skip them
+        self.consumers[trial] = Consumer(start=start)
+        for g, slot in self.slots.items():
+            if g >= start:
+                slot.waiting.add(trial)
+        return start
+
+    def leave(self, trial: str) -> list[Slot]:
+        """Unregister ``trial``; return the slots released because only it still needed them."""
+        if self.consumers.pop(trial, None) is None:
+            return []
+        released = []
+        for slot in list(self.slots.values()):
+            slot.waiting.discard(trial)
+            if not slot.waiting and slot.state is not SlotState.RESERVED:
+                released.append(self._release(slot.g))
+        return released
+
+    # -- producing ---------------------------------------------------------------------------
+    def wanted(self) -> bool:
+        """Whether some registered trial will need the piece at the head."""
+        return any(c.start <= self.head for c in self.consumers.values())
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether reserving ``nbytes`` more keeps the staged bytes within the budget."""
+        return not self.slots or self.staged_bytes + nbytes <= self.budget_bytes
+
+    def reserve(self, nbytes: int) -> Slot:
+        """Stage the head piece as in flight; its consumers are the trials that started at or before it."""
+        g = self.head
+        waiting = {t for t, c in self.consumers.items() if c.start <= g}
+        slot = Slot(g=g, nbytes=nbytes, waiting=waiting)
+        self.slots[g] = slot
+        self.head += 1
+        self.staged_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.staged_bytes)
+        return slot
+
+    def mark_ready(self, g: int, payload: Any) -> Slot | None:
+        """Piece ``g`` is prepared; returns the slot if it is released at once (nobody waits for it)."""
+        return self._settle(g, SlotState.READY, payload)
+
+    def mark_failed(self, g: int, error: BaseException) -> Slot | None:
+        """Preparing piece ``g`` failed; its consumers will receive ``error`` instead of data."""
+        return self._settle(g, SlotState.FAILED, error)
+
+    # -- consuming ---------------------------------------------------------------------------
+    def fetched(self, trial: str, g: int, samples: int) -> Slot | None:
+        """``trial`` took piece ``g`` of ``samples`` samples; returns the slot if it is now released."""
+        slot = self.slots[g]
+        if trial not in slot.waiting:
+            raise KeyError(f"trial {trial!r} does not wait for piece {g} (already fetched or not its consumer)")
+        slot.waiting.discard(trial)
+        self.consumers[trial].served_samples += samples
+        if not slot.waiting:
+            return self._release(g)
+        return None
+
+    def needs(self, trial: str, g: int) -> bool:
+        """Whether ``g`` is a piece ``trial`` may still fetch."""
+        consumer = self.consumers.get(trial)
+        if consumer is None or g < consumer.start:
+            return False
+        slot = self.slots.get(g)
+        return slot is None and g >= self.head or slot is not None and trial in slot.waiting
+
+    # -- internals ---------------------------------------------------------------------------
+    def _settle(self, g: int, state: SlotState, payload: Any) -> Slot | None:
+        slot = self.slots[g]
+        if slot.state is not SlotState.RESERVED:
+            raise RuntimeError(f"piece {g} settled twice ({slot.state.value} -> {state.value})")
+        slot.state, slot.payload = state, payload
+        return self._release(g) if not slot.waiting else None
+
+    def _release(self, g: int) -> Slot:
+        slot = self.slots.pop(g)
+        self.staged_bytes -= slot.nbytes
+        return slot

@@ -1,0 +1,126 @@
+"""Where a trial's pieces come from: the group's coordinator (shared) or its own process (private)."""
+
+from __future__ import annotations
+
+import collections
+from typing import Protocol
+
+import ray
+
+from coordinated_prep.backends import make_preprocessor
+from coordinated_prep.chunk import PreparedChunk, prepare_chunk
+from coordinated_prep.errors import PrepError
+from coordinated_prep.naming import NAMESPACE, registry_name
+from coordinated_prep.plan import StreamPlan, holdout_split
+from coordinated_prep.sources import open_source
+from coordinated_prep.spec import DataSpec
+
+
+class PieceStream(Protocol):
+    """An endless, in-order stream of prepared pieces, starting at ``start``."""
+
+    start: int
+    chunks_per_epoch: int
+    samples_per_epoch: int
+
+    def next_piece(self) -> PreparedChunk:
+        """The next piece; raises PrepError naming the trial if it cannot be had."""
+        ...
+
+    def close(self) -> None:
+        """Release what the stream holds."""
+        ...
+
+
+class PrivateStream:
+    """Prepares every piece in the trial's own process: the unshared baseline.
+
+    It walks the same plan from piece 0 with the same preparation function as the prep actors,
+    so its bytes equal those of a shared trial that started at piece 0.
+    """
+
+    def __init__(self, spec: DataSpec) -> None:
+        self._spec = spec
+        self._source = open_source(spec.dataset)
+        self._preprocessor = make_preprocessor(spec.pipeline)  # type: ignore[arg-type]
+        train_ids, _ = holdout_split(len(self._source), spec.holdout)
+        self._plan = StreamPlan(train_ids, spec.seed, spec.chunk_size, spec.segments)
+        self.start = 0
+        self.chunks_per_epoch = self._plan.chunks_per_epoch
+        self.samples_per_epoch = self._plan.samples_per_epoch
+        self._next = 0
+
+    def next_piece(self) -> PreparedChunk:
+        g, self._next = self._next, self._next + 1
+        epoch, _ = self._plan.locate(g)
+        chunk, _ = prepare_chunk(
+            self._source, self._preprocessor, self._spec.seed, epoch,
+            self._plan.chunk_samples(g), self._spec.pipeline.size,  # type: ignore[union-attr]
+        )
+        return chunk
+
+    def close(self) -> None:
+        pass
+
+
+class SharedStream:
+    """Fetches pieces from the group's coordinator, keeping ``prefetch`` requests in flight.
+
+    Args:
+        spec: The trial's data spec.
+        session: The CoordinatedSearcher session that owns the sweep's data groups.
+        trial: The trial id the coordinator knows this consumer by.
+        prefetch: Pieces requested ahead of the one being consumed (bounded).
+    """
+
+    def __init__(self, spec: DataSpec, session: str, trial: str, prefetch: int) -> None:
+        self._trial = trial
+        self._timeout = spec.fetch_timeout_s
+        try:
+            registry = ray.get_actor(registry_name(session), namespace=NAMESPACE)
+        except ValueError:
+            raise PrepError(
+                f"trial {trial}: the data-group registry {registry_name(session)!r} is gone; it lives as long as "
+                "the CoordinatedSearcher that started the sweep (was searcher.close() called early?)"
+            ) from None
+        self._coordinator = self._call(registry.group_for.remote(spec, trial), "finding its data group")
+        info = self._call(self._coordinator.join.remote(trial), "joining its data group")
+        self.start: int = info["start"]
+        self.chunks_per_epoch: int = info["chunks_per_epoch"]
+        self.samples_per_epoch: int = info["samples_per_epoch"]
+        self._next = self.start
+        self._prefetch = max(1, prefetch)
+        self._pending: collections.deque[tuple[int, ray.ObjectRef]] = collections.deque()
+        self._closed = False
+
+    def next_piece(self) -> PreparedChunk:
+        while len(self._pending) < self._prefetch:  # bounded: at most `prefetch` requests in flight
+            g, self._next = self._next, self._next + 1
+            self._pending.append((g, self._coordinator.fetch.remote(self._trial, g, self._timeout)))
+        g, ref = self._pending.popleft()
+        answer = self._call(ref, f"waiting for piece {g}", self._timeout + 30)
+        if not answer:
+            raise PrepError(f"trial {self._trial}: its data group ended or dropped it while it waited for piece {g}")
+        return self._call(answer[0], f"reading piece {g}")
+
+    def close(self) -> None:
+        """Leave the group (idempotent); pieces only this trial still needed are freed."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pending.clear()
+        try:
+            ray.get(self._coordinator.leave.remote(self._trial), timeout=30)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            pass  # the coordinator is gone or busy: the searcher's on_trial_complete removes us anyway
+
+    def _call(self, ref: ray.ObjectRef, doing: str, timeout: float | None = None):
+        try:
+            return ray.get(ref, timeout=timeout or self._timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise PrepError(f"trial {self._trial}: timed out after {timeout or self._timeout}s {doing}") from None
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if isinstance(getattr(e, "cause", None), PrepError) else e
+            raise PrepError(f"trial {self._trial}: {doing} failed: {cause}") from e
+        except ray.exceptions.RayActorError as e:
+            raise PrepError(f"trial {self._trial}: the group's coordinator died while {doing}: {e}") from e

@@ -1,0 +1,56 @@
+"""StreamPlan: pieces, segments and join points, without Ray."""
+
+import numpy as np
+import pytest
+
+from coordinated_prep.plan import StreamPlan, holdout_split
+from tests.harness import assert_exactly_once
+
+
+def _epoch_from(plan: StreamPlan, start: int, k: int) -> np.ndarray:
+    c = plan.chunks_per_epoch
+    return np.concatenate([plan.chunk_samples(g) for g in range(start + k * c, start + (k + 1) * c)])
+
+
+@pytest.mark.parametrize("n, chunk, segments", [(100, 8, 4), (97, 10, 3), (5, 8, 4), (64, 8, 100), (33, 1, 7)])
+def test_every_window_from_a_join_point_is_an_exact_epoch(n, chunk, segments):
+    ids = np.arange(1000, 1000 + n)
+    plan = StreamPlan(ids, seed=3, chunk_size=chunk, segments=segments)
+    joins = [g for g in range(3 * plan.chunks_per_epoch) if plan.is_join_point(g)]
+    assert len(joins) == 3 * plan.num_segments
+    for start in joins:
+        assert_exactly_once([_epoch_from(plan, start, k) for k in range(2)], ids, f"start {start}")
+
+
+def test_segments_keep_their_members_but_shuffle_within():
+    ids = np.arange(200)
+    plan = StreamPlan(ids, seed=0, chunk_size=10, segments=4)
+    e0 = _epoch_from(plan, 0, 0)
+    e1 = _epoch_from(plan, 0, 1)
+    assert not np.array_equal(e0, e1), "epochs must be reshuffled"
+    seg = plan.segment_chunks * plan.chunk_size
+    for lo in range(0, 200, seg):
+        assert set(e0[lo : lo + seg]) == set(e1[lo : lo + seg])
+
+
+def test_plan_is_a_pure_function_of_the_seed():
+    ids = np.arange(50)
+    a, b = StreamPlan(ids, 7, 8, 3), StreamPlan(ids[::-1], 7, 8, 3)
+    assert all(np.array_equal(a.chunk_samples(g), b.chunk_samples(g)) for g in range(30))
+    c = StreamPlan(ids, 8, 8, 3)
+    assert not all(np.array_equal(a.chunk_samples(g), c.chunk_samples(g)) for g in range(7))
+
+
+def test_next_join_point():
+    plan = StreamPlan(np.arange(100), 0, chunk_size=10, segments=3)  # 10 chunks, segments of 4
+    assert plan.segment_chunks == 4
+    assert [plan.next_join_point(g) for g in range(12)] == [0, 4, 4, 4, 4, 8, 8, 8, 8, 10, 10, 14]
+    assert plan.chunk_len(9) == 10 and StreamPlan(np.arange(95), 0, 10, 3).chunk_len(9) == 5
+
+
+def test_holdout_split_is_disjoint_and_fixed():
+    train, held = holdout_split(100, 0.2)
+    assert len(held) == 20 and len(train) == 80 and not set(train) & set(held)
+    assert np.array_equal(held, holdout_split(100, 0.2)[1])
+    with pytest.raises(ValueError, match="no training samples"):
+        holdout_split(1, 0.9)

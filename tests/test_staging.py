@@ -1,0 +1,168 @@
+"""StagingBuffer: joins, leaves, budget and freeing, without Ray (unit and property-based)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from coordinated_prep.plan import StreamPlan
+from coordinated_prep.staging import SlotState, StagingBuffer
+from tests.harness import assert_exactly_once
+
+PIECE = 100  # bytes per full piece in these tests
+
+
+def _buffer(plan: StreamPlan, pieces_budget: int) -> StagingBuffer:
+    return StagingBuffer(pieces_budget * PIECE, plan.next_join_point)
+
+
+def test_first_join_starts_at_zero_and_skips_unwanted_pieces():
+    plan = StreamPlan(np.arange(40), 0, chunk_size=4, segments=5)  # 10 pieces, segments of 2
+    buf = _buffer(plan, 4)
+    assert not buf.wanted()
+    assert buf.join("a") == 0
+    assert buf.wanted()
+    buf.leave("a")
+    buf.head = 3  # as if three pieces had been produced and freed
+    assert buf.join("b") == 4, "a lone joiner starts at the next join point; nobody needs piece 3"
+    assert buf.head == 4
+
+
+def test_joiner_is_served_from_what_is_staged():
+    plan = StreamPlan(np.arange(40), 0, chunk_size=4, segments=5)
+    buf = _buffer(plan, 10)
+    buf.join("a")
+    for _ in range(5):
+        buf.mark_ready(buf.reserve(PIECE).g, object())
+    assert buf.fetched("a", 0, 4) is not None  # only consumer: freed at once
+    assert buf.join("b") == 2, "pieces 1..4 are staged: b starts at the first join point among them"
+    assert "b" in buf.slots[2].waiting and "b" not in buf.slots[1].waiting
+
+
+def test_budget_blocks_reservation_until_a_release():
+    plan = StreamPlan(np.arange(40), 0, chunk_size=4, segments=5)
+    buf = _buffer(plan, 2)
+    buf.join("a")
+    buf.mark_ready(buf.reserve(PIECE).g, 1)
+    buf.mark_ready(buf.reserve(PIECE).g, 2)
+    assert not buf.fits(PIECE)
+    buf.fetched("a", 0, 4)
+    assert buf.fits(PIECE) and buf.staged_bytes == PIECE
+
+
+def test_one_piece_larger_than_the_budget_still_flows():
+    plan = StreamPlan(np.arange(8), 0, chunk_size=4, segments=1)
+    buf = StagingBuffer(10, plan.next_join_point)
+    buf.join("a")
+    assert buf.fits(PIECE), "an empty buffer always takes one piece, so the stream cannot deadlock"
+
+
+def test_leave_frees_what_only_the_leaver_needed_but_not_in_flight_pieces():
+    plan = StreamPlan(np.arange(40), 0, chunk_size=4, segments=5)
+    buf = _buffer(plan, 10)
+    buf.join("a")
+    buf.join("b")
+    buf.mark_ready(buf.reserve(PIECE).g, 1)
+    inflight = buf.reserve(PIECE)
+    buf.fetched("b", 0, 4)
+    released = buf.leave("a")
+    assert [s.g for s in released] == [0]
+    assert inflight.g in buf.slots and buf.slots[inflight.g].waiting == {"b"}
+    buf.leave("b")
+    assert buf.mark_ready(inflight.g, 2) is not None, "a piece nobody waits for is freed when it lands"
+    assert not buf.slots and buf.staged_bytes == 0
+
+
+def test_failed_piece_reaches_its_consumers_then_is_freed():
+    plan = StreamPlan(np.arange(8), 0, chunk_size=4, segments=1)
+    buf = _buffer(plan, 4)
+    buf.join("a")
+    slot = buf.reserve(PIECE)
+    buf.mark_failed(slot.g, RuntimeError("bad jpeg"))
+    assert buf.slots[0].state is SlotState.FAILED
+    assert buf.fetched("a", 0, 4) is slot and not buf.slots
+    with pytest.raises(RuntimeError, match="settled twice"):
+        buf.reserve(PIECE)
+        buf.mark_ready(1, 1)
+        buf.mark_ready(1, 1)
+
+
+# -- property-based: random joins, leaves, production order and consumption order ----------------
+
+@dataclass
+class _Trial:
+    start: int
+    cursor: int
+    pieces: list[int] = field(default_factory=list)
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("join"), st.integers(0, 3)),
+        st.tuples(st.just("leave"), st.integers(0, 3)),
+        st.tuples(st.just("produce"), st.integers(0, 0)),
+        st.tuples(st.just("settle"), st.integers(0, 5)),
+        st.tuples(st.just("fetch"), st.integers(0, 3)),
+    ),
+    max_size=300,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, n=st.integers(1, 40), chunk=st.integers(1, 6), segments=st.integers(1, 6),
+       budget=st.integers(1, 6), seed=st.integers(0, 3))
+def test_exactly_once_and_freeing_under_random_schedules(ops, n, chunk, segments, budget, seed):
+    ids = np.arange(n) * 3 + 1
+    plan = StreamPlan(ids, seed, chunk, segments)
+    buf = _buffer(plan, budget)
+    trials: dict[str, _Trial] = {}
+    finished: list[_Trial] = []
+    in_flight: list[int] = []
+    for op, arg in ops:
+        name = f"t{arg}"
+        if op == "join":
+            if name in trials:
+                finished.append(trials.pop(name))  # a re-join (retry) starts a fresh consumer
+            start = buf.join(name)
+            assert plan.is_join_point(start)
+            trials[name] = _Trial(start, start)
+        elif op == "leave" and name in trials:
+            buf.leave(name)
+            finished.append(trials.pop(name))
+        elif op == "produce" and buf.wanted() and buf.fits(plan.chunk_len(buf.head) * PIECE):
+            in_flight.append(buf.reserve(plan.chunk_len(buf.head) * PIECE).g)
+        elif op == "settle" and in_flight:
+            buf.mark_ready(in_flight.pop(arg % len(in_flight)), "ref")
+        elif op == "fetch" and name in trials:
+            t = trials[name]
+            slot = buf.slots.get(t.cursor)
+            if slot is not None and slot.state is SlotState.READY:
+                buf.fetched(name, t.cursor, plan.chunk_len(t.cursor))
+                t.pieces.append(t.cursor)
+                t.cursor += 1
+        # Invariants after every step.
+        assert buf.staged_bytes == sum(s.nbytes for s in buf.slots.values())
+        assert buf.staged_bytes <= buf.budget_bytes or len(buf.slots) == 1
+        for tname, t in trials.items():  # nothing a current consumer has not read is gone
+            for g in range(t.cursor, buf.head):
+                assert g in buf.slots and tname in buf.slots[g].waiting, (tname, g)
+    # Every trial's completed epochs hold every sample exactly once.
+    for name, t in trials.items():
+        assert buf.consumers[name].served_samples == sum(plan.chunk_len(g) for g in t.pieces)
+    for t in finished + list(trials.values()):
+        epochs = [t.pieces[k * plan.chunks_per_epoch : (k + 1) * plan.chunks_per_epoch]
+                  for k in range(len(t.pieces) // plan.chunks_per_epoch)]
+        assert all(p == list(range(t.start + k * plan.chunks_per_epoch, t.start + (k + 1) * plan.chunks_per_epoch))
+                   for k, p in enumerate(epochs))
+        if epochs:
+            assert_exactly_once([np.concatenate([plan.chunk_samples(g) for g in e]) for e in epochs], ids)
+    # Everything is freed once every trial has left and every piece has landed.
+    for name in list(trials):
+        buf.leave(name)
+    for g in in_flight:
+        buf.mark_ready(g, "ref")
+    assert not buf.slots and buf.staged_bytes == 0
