@@ -56,8 +56,9 @@ class Coordinator:
         self.plan = StreamPlan(train_ids, spec.seed, spec.chunk_size, spec.segments)
         node_id, cpus, store_bytes = node_resources()
         budget = spec.staging_bytes or max(spec.chunk_bytes, int(store_bytes * spec.staging_fraction))
-        self.buffer = StagingBuffer(budget, self.plan.next_join_point)
         n_actors = spec.prep_actors or max(1, int(cpus))
+        lookahead = spec.lookahead or max(8, 4 * n_actors)
+        self.buffer = StagingBuffer(budget, self.plan.next_join_point, lookahead)
         affinity = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
         self.actors = [
             PrepActor.options(
@@ -71,7 +72,7 @@ class Coordinator:
         self.closed = False
         self.producer: asyncio.Task | None = None
         self.stats: dict[str, Any] = {
-            "group": spec.group_key, "prep_actors": n_actors, "budget_bytes": budget,
+            "group": spec.group_key, "prep_actors": n_actors, "budget_bytes": budget, "lookahead": lookahead,
             "samples_per_epoch": self.plan.samples_per_epoch, "chunks_per_epoch": self.plan.chunks_per_epoch,
             "pieces_prepared": 0, "samples_prepared": 0, "samples_served": 0, "pieces_failed": 0,
             "fetch_s": 0.0, "transform_s": 0.0, "trials_joined": 0,
@@ -104,6 +105,8 @@ class Coordinator:
         if not self.buffer.needs(trial, g):
             raise PrepError(f"trial {trial}: piece {g} is not one it may fetch from {self.name} "
                             "(before its start, or fetched already)")
+        self.buffer.request(g)
+        await self._notify()
         try:
             async with self.changed:
                 await asyncio.wait_for(self.changed.wait_for(lambda: self._settled_or_gone(trial, g)), timeout_s)

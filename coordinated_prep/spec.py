@@ -53,24 +53,24 @@ class PipelineSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.size, int) or isinstance(self.size, bool) or not 8 <= self.size <= 4096:
-            raise ConfigError(f"pipeline.size={self.size!r} must be an integer in [8, 4096]")
-        scale = _pair("pipeline.scale", self.scale)
+            raise ConfigError(f"data.pipeline.size={self.size!r} must be an integer in [8, 4096]")
+        scale = _pair("data.pipeline.scale", self.scale)
         if scale[1] > 1.0:
-            raise ConfigError(f"pipeline.scale={self.scale!r}: the upper bound must be at most 1.0")
+            raise ConfigError(f"data.pipeline.scale={self.scale!r}: the upper bound must be at most 1.0")
         object.__setattr__(self, "scale", scale)
-        object.__setattr__(self, "ratio", _pair("pipeline.ratio", self.ratio))
+        object.__setattr__(self, "ratio", _pair("data.pipeline.ratio", self.ratio))
         if not isinstance(self.hflip, (int, float)) or not 0.0 <= self.hflip <= 1.0:
-            raise ConfigError(f"pipeline.hflip={self.hflip!r} must be a probability in [0, 1]")
+            raise ConfigError(f"data.pipeline.hflip={self.hflip!r} must be a probability in [0, 1]")
         object.__setattr__(self, "hflip", float(self.hflip))
         if self.eval_resize is None:
             object.__setattr__(self, "eval_resize", math.ceil(self.size * 8 / 7))
         elif not isinstance(self.eval_resize, int) or self.eval_resize < self.size:
             raise ConfigError(
-                f"pipeline.eval_resize={self.eval_resize!r} must be an integer >= size={self.size} "
+                f"data.pipeline.eval_resize={self.eval_resize!r} must be an integer >= size={self.size} "
                 "(the centre crop must fit inside the resized image)"
             )
         if self.backend not in BACKENDS:
-            raise ConfigError(f"pipeline.backend={self.backend!r} is not one of {list(BACKENDS)}")
+            raise ConfigError(f"data.pipeline.backend={self.backend!r} is not one of {list(BACKENDS)}")
 
     @property
     def sample_bytes(self) -> int:
@@ -102,6 +102,8 @@ class DataSpec:
         prep_actors: Number of prep actors; ``None`` picks one per CPU of the node.
         staging_fraction: Default staging budget as a fraction of the object store.
         staging_bytes: Explicit staging budget in bytes (overrides ``staging_fraction``).
+        lookahead: Pieces prepared beyond the furthest piece any trial asked for; ``None`` picks
+            ``max(8, 4 x prep_actors)``.
         fetch_timeout_s: How long a trial waits for one piece before failing with an error.
     """
 
@@ -115,6 +117,7 @@ class DataSpec:
     prep_actors: int | None = None
     staging_fraction: float = 0.25
     staging_bytes: int | None = None
+    lookahead: int | None = None
     fetch_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
@@ -142,8 +145,17 @@ class DataSpec:
                     f"data.staging_bytes={self.staging_bytes} is smaller than one piece "
                     f"({self.chunk_bytes} bytes = chunk_size x 3 x size x size); raise it or lower chunk_size"
                 )
+        if self.lookahead is not None:
+            _check_int("data.lookahead", self.lookahead, 1)
         if not isinstance(self.fetch_timeout_s, (int, float)) or self.fetch_timeout_s <= 0:
             raise ConfigError(f"data.fetch_timeout_s={self.fetch_timeout_s!r} must be a positive number of seconds")
+
+    def __repr__(self) -> str:  # only what differs from the defaults: Tune prints configs in tables
+        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                   if f.name != "pipeline" and getattr(self, f.name) != _DATA_DEFAULTS[f.name]]
+        if self.pipeline != PipelineSpec():
+            changed.append(f"pipeline={self.pipeline!r}")
+        return f"DataSpec({', '.join(changed)})"
 
     @property
     def chunk_bytes(self) -> int:
@@ -164,6 +176,9 @@ class DataSpec:
         if isinstance(known.get("pipeline"), Mapping):
             known["pipeline"] = PipelineSpec.from_mapping(known["pipeline"], f"{where}.pipeline")
         return cls(**known)
+
+
+_DATA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DataSpec) if f.name != "pipeline"}
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

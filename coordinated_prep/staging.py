@@ -9,7 +9,9 @@ Life cycle of a piece ``g`` (the legal transitions; nothing else changes a slot)
                                    \\--mark_failed--> FAILED --last consumer fetched--> released
 
 - ``reserve`` happens only while the staged bytes plus the piece fit the byte budget (or nothing
-  else is staged, so one piece larger than the budget cannot deadlock the stream).
+  else is staged, so one piece larger than the budget cannot deadlock the stream), and only up to
+  ``lookahead`` pieces past the furthest piece any trial has asked for: the budget bounds memory,
+  the lookahead bounds work nobody may use (pieces prepared when the last trials leave).
 - The consumers of a piece are fixed when it is reserved: every registered trial whose start is
   at or before ``g``; a trial that joins later at a start ``<= g`` is added then.
 - A consumer leaving removes it from every slot; slots left without consumers are released as
@@ -58,14 +60,17 @@ class StagingBuffer:
     Args:
         budget_bytes: Most bytes of pieces staged at once (reserved or ready).
         next_join_point: Maps a piece number to the first join point at or after it.
+        lookahead: Most pieces reserved beyond the furthest piece requested so far.
     """
 
-    def __init__(self, budget_bytes: int, next_join_point: Callable[[int], int]) -> None:
-        if budget_bytes < 1:
-            raise ValueError(f"budget_bytes={budget_bytes} must be positive")
+    def __init__(self, budget_bytes: int, next_join_point: Callable[[int], int], lookahead: int = 8) -> None:
+        if budget_bytes < 1 or lookahead < 1:
+            raise ValueError(f"budget_bytes={budget_bytes} and lookahead={lookahead} must be positive")
         self.budget_bytes = budget_bytes
+        self.lookahead = lookahead
         self._next_join_point = next_join_point
         self.head = 0  # the next piece to reserve
+        self.demand = 0  # one past the furthest piece any consumer has requested
         self.slots: dict[int, Slot] = {}
         self.consumers: dict[str, Consumer] = {}
         self.staged_bytes = 0
@@ -89,6 +94,7 @@ class StagingBuffer:
         if not self.consumers and not self.slots:
             self.head = max(self.head, start)  # nobody needs the pieces in between: skip them
         self.consumers[trial] = Consumer(start=start)
+        self.demand = max(self.demand, start)
         for g, slot in self.slots.items():
             if g >= start:
                 slot.waiting.add(trial)
@@ -107,8 +113,12 @@ class StagingBuffer:
 
     # -- producing ---------------------------------------------------------------------------
     def wanted(self) -> bool:
-        """Whether some registered trial will need the piece at the head."""
-        return any(c.start <= self.head for c in self.consumers.values())
+        """Whether some registered trial needs the head piece, and it is within the lookahead."""
+        return self.head < self.demand + self.lookahead and any(c.start <= self.head for c in self.consumers.values())
+
+    def request(self, g: int) -> None:
+        """A consumer asked for piece ``g``: production may run ``lookahead`` pieces past it."""
+        self.demand = max(self.demand, g + 1)
 
     def fits(self, nbytes: int) -> bool:
         """Whether reserving ``nbytes`` more keeps the staged bytes within the budget."""

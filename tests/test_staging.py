@@ -16,8 +16,8 @@ from tests.harness import assert_exactly_once
 PIECE = 100  # bytes per full piece in these tests
 
 
-def _buffer(plan: StreamPlan, pieces_budget: int) -> StagingBuffer:
-    return StagingBuffer(pieces_budget * PIECE, plan.next_join_point)
+def _buffer(plan: StreamPlan, pieces_budget: int, lookahead: int = 100) -> StagingBuffer:
+    return StagingBuffer(pieces_budget * PIECE, plan.next_join_point, lookahead)
 
 
 def test_first_join_starts_at_zero_and_skips_unwanted_pieces():
@@ -52,6 +52,19 @@ def test_budget_blocks_reservation_until_a_release():
     assert not buf.fits(PIECE)
     buf.fetched("a", 0, 4)
     assert buf.fits(PIECE) and buf.staged_bytes == PIECE
+
+
+def test_lookahead_bounds_production_past_the_furthest_request():
+    plan = StreamPlan(np.arange(400), 0, chunk_size=4, segments=5)
+    buf = _buffer(plan, 1000, lookahead=3)
+    buf.join("a")
+    produced = 0
+    while buf.wanted():
+        buf.mark_ready(buf.reserve(PIECE).g, 1)
+        produced += 1
+    assert produced == 3
+    buf.request(0)
+    assert buf.wanted() and buf.reserve(PIECE).g == 3 and not buf.wanted()
 
 
 def test_one_piece_larger_than_the_budget_still_flows():
@@ -114,11 +127,11 @@ ops = st.lists(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, n=st.integers(1, 40), chunk=st.integers(1, 6), segments=st.integers(1, 6),
-       budget=st.integers(1, 6), seed=st.integers(0, 3))
-def test_exactly_once_and_freeing_under_random_schedules(ops, n, chunk, segments, budget, seed):
+       budget=st.integers(1, 6), lookahead=st.integers(1, 4), seed=st.integers(0, 3))
+def test_exactly_once_and_freeing_under_random_schedules(ops, n, chunk, segments, budget, lookahead, seed):
     ids = np.arange(n) * 3 + 1
     plan = StreamPlan(ids, seed, chunk, segments)
-    buf = _buffer(plan, budget)
+    buf = _buffer(plan, budget, lookahead)
     trials: dict[str, _Trial] = {}
     finished: list[_Trial] = []
     in_flight: list[int] = []
@@ -139,6 +152,7 @@ def test_exactly_once_and_freeing_under_random_schedules(ops, n, chunk, segments
             buf.mark_ready(in_flight.pop(arg % len(in_flight)), "ref")
         elif op == "fetch" and name in trials:
             t = trials[name]
+            buf.request(t.cursor)
             slot = buf.slots.get(t.cursor)
             if slot is not None and slot.state is SlotState.READY:
                 buf.fetched(name, t.cursor, plan.chunk_len(t.cursor))
@@ -147,6 +161,7 @@ def test_exactly_once_and_freeing_under_random_schedules(ops, n, chunk, segments
         # Invariants after every step.
         assert buf.staged_bytes == sum(s.nbytes for s in buf.slots.values())
         assert buf.staged_bytes <= buf.budget_bytes or len(buf.slots) == 1
+        assert buf.head <= max(buf.demand + buf.lookahead, max((t.start for t in trials.values()), default=0))
         for tname, t in trials.items():  # nothing a current consumer has not read is gone
             for g in range(t.cursor, buf.head):
                 assert g in buf.slots and tname in buf.slots[g].waiting, (tname, g)

@@ -1,0 +1,236 @@
+"""The YAML sweep schema, parsed into frozen dataclasses; nothing below this edge sees raw dicts.
+
+Schema (every key but ``trainable`` and ``search_space`` is optional)::
+
+    name: default                    # experiment name: <storage_path>/<name>
+    storage_path: runs               # relative to the working directory
+    trainable: small_cnn             # a registered trainable (small_cnn, resnet18) or module:function
+    data:                            # DataSpec fields
+      dataset: builtin:shapes        # or an ImageFolder directory
+      seed: 0
+      coordinated: true              # false: each trial prepares its own data (the baseline)
+      pipeline: {size: 64, scale: [0.35, 1.0], hflip: 0.5}
+    search_space:                    # constants, or one distribution per key
+      lr: {loguniform: [0.01, 0.3]}
+      batch_size: {choice: [32, 64]}
+      width: {grid: [8, 16]}
+      epochs: 3
+    num_samples: 8
+    max_concurrent_trials: 4         # 0 = as many as resources allow
+    resources_per_trial: {cpu: 0.25, gpu: 0}
+    metric: accuracy
+    mode: max
+    scheduler: {type: asha, grace_period: 1, reduction_factor: 2}   # or {type: fifo}
+    ray: {num_cpus: 2, object_store_memory: 1073741824}             # passed to ray.init
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Mapping
+
+from coordinated_prep.errors import ConfigError
+from coordinated_prep.spec import DataSpec
+from coordinated_prep.sweep.yaml_loader import load_yaml
+
+DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint")
+TOP_KEYS = ("name", "storage_path", "trainable", "data", "search_space", "num_samples", "max_concurrent_trials",
+            "resources_per_trial", "metric", "mode", "scheduler", "ray")
+SCHEDULER_KEYS = {"fifo": ("type",), "asha": ("type", "grace_period", "reduction_factor", "max_t")}
+RAY_KEYS = ("num_cpus", "object_store_memory", "include_dashboard", "dashboard_host")
+
+
+@dataclass(frozen=True)
+class Dimension:
+    """One search-space entry: a Tune distribution over ``args``."""
+
+    kind: Literal["choice", "grid", "uniform", "loguniform", "randint"]
+    args: tuple[Any, ...]
+
+    def to_tune(self) -> Any:
+        """The Tune search-space object."""
+        from ray import tune
+
+        if self.kind == "choice":
+            return tune.choice(list(self.args))
+        if self.kind == "grid":
+            return tune.grid_search(list(self.args))
+        return getattr(tune, self.kind)(*self.args)
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    """``fifo`` or ``asha`` (async successive halving on ``metric``, one rung per ``grace_period``)."""
+
+    type: Literal["fifo", "asha"] = "fifo"
+    grace_period: int = 1
+    reduction_factor: float = 2.0
+    max_t: int | None = None
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """A whole experiment sweep, validated."""
+
+    path: str
+    trainable: str
+    data: DataSpec
+    search_space: Mapping[str, Any]
+    name: str = "default"
+    storage_path: str = "runs"
+    num_samples: int = 1
+    max_concurrent_trials: int = 0
+    resources_per_trial: Mapping[str, float] = field(default_factory=lambda: {"cpu": 1.0})
+    metric: str = "accuracy"
+    mode: Literal["min", "max"] = "max"
+    scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)
+    ray: Mapping[str, Any] = field(default_factory=dict)
+
+    def trainable_fn(self) -> Callable[[dict], None]:
+        """The trainable function this sweep names."""
+        return resolve_trainable(self.trainable, self.path)
+
+    def param_space(self) -> dict[str, Any]:
+        """The Tune config: the search space plus the DataSpec under ``data``."""
+        space = {k: v.to_tune() if isinstance(v, Dimension) else v for k, v in self.search_space.items()}
+        space["data"] = self.data
+        return space
+
+
+def load_sweep(path: str) -> SweepConfig:
+    """Read and validate a sweep file; every error names the file, the key path and what is allowed."""
+    raw = load_yaml(path)
+    try:
+        return _parse(path, raw)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def _parse(path: str, raw: Any) -> SweepConfig:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"the file must hold a mapping with keys {list(TOP_KEYS)}")
+    _only(raw, TOP_KEYS, "top level")
+    for key in ("trainable", "search_space"):
+        if key not in raw:
+            raise ConfigError(f"missing required key {key!r}")
+    trainable = _typed(raw, "trainable", str, "a registered trainable name or module:function")
+    resolve_trainable(trainable, path)
+    data = DataSpec.from_mapping(raw.get("data") or {}, where="data")
+    _check_dataset(data.dataset)
+    space = raw["search_space"]
+    if not isinstance(space, Mapping) or not space:
+        raise ConfigError("search_space must be a non-empty mapping of config keys to constants or distributions")
+    if "data" in space:
+        raise ConfigError("search_space.data: the data spec belongs under the top-level 'data' key")
+    kwargs: dict[str, Any] = {"path": path, "trainable": trainable, "data": data,
+                              "search_space": {k: _dimension(f"search_space.{k}", v) for k, v in space.items()}}
+    for key, typ, what in (("name", str, "a name"), ("storage_path", str, "a directory"),
+                           ("metric", str, "a reported metric name")):
+        if key in raw:
+            kwargs[key] = _typed(raw, key, typ, what)
+    for key, low in (("num_samples", 1), ("max_concurrent_trials", 0)):
+        if key in raw:
+            value = raw[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"{key}={value!r} must be an integer >= {low}")
+            kwargs[key] = value
+    if "mode" in raw:
+        if raw["mode"] not in ("min", "max"):
+            raise ConfigError(f"mode={raw['mode']!r} must be 'min' or 'max'")
+        kwargs["mode"] = raw["mode"]
+    if "resources_per_trial" in raw:
+        kwargs["resources_per_trial"] = _resources(raw["resources_per_trial"])
+    if "scheduler" in raw:
+        kwargs["scheduler"] = _scheduler(raw["scheduler"])
+    if "ray" in raw:
+        _only(raw["ray"], RAY_KEYS, "ray")
+        kwargs["ray"] = dict(raw["ray"])
+    return SweepConfig(**kwargs)
+
+
+def resolve_trainable(name: str, where: str = "trainable") -> Callable[[dict], None]:
+    """A registered trainable by name, or an explicit ``module:function``; nothing else is imported."""
+    from trainables import REGISTRY
+
+    if name in REGISTRY:
+        return REGISTRY[name]
+    if ":" not in name:
+        raise ConfigError(f"trainable={name!r} is not registered ({sorted(REGISTRY)}); "
+                          "name one of those or give an explicit module:function")
+    module, _, attr = name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"trainable={name!r}: cannot import it ({e})") from None
+    if not callable(fn):
+        raise ConfigError(f"trainable={name!r} is not callable")
+    return fn
+
+
+def _check_dataset(dataset: str) -> None:
+    from coordinated_prep.sources import BUILTIN_DATASETS
+
+    if dataset.startswith("builtin:"):
+        if dataset not in BUILTIN_DATASETS:
+            raise ConfigError(f"data.dataset={dataset!r} is not a builtin dataset; choose one of {list(BUILTIN_DATASETS)}")
+    elif not os.path.isdir(dataset):
+        raise ConfigError(f"data.dataset={dataset!r}: no such directory; give an ImageFolder root or 'builtin:shapes'")
+
+
+def _dimension(where: str, value: Any) -> Any:
+    if not isinstance(value, Mapping):
+        if isinstance(value, (int, float, str, bool, list)) or value is None:
+            return value  # a constant
+        raise ConfigError(f"{where}={value!r} must be a constant or a mapping {{distribution: arguments}}")
+    if len(value) != 1 or next(iter(value)) not in DISTRIBUTIONS:
+        raise ConfigError(f"{where}: {dict(value)!r} must have exactly one key out of {list(DISTRIBUTIONS)}")
+    kind, args = next(iter(value.items()))
+    if not isinstance(args, list) or not args:
+        raise ConfigError(f"{where}.{kind} must be a non-empty list")
+    if kind in ("uniform", "loguniform", "randint"):
+        if len(args) != 2 or not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args):
+            raise ConfigError(f"{where}.{kind}={args!r} must be [low, high] numbers")
+        if not args[0] < args[1] or (kind == "loguniform" and args[0] <= 0):
+            raise ConfigError(f"{where}.{kind}={args!r} needs low < high" + (" and low > 0" if kind == "loguniform" else ""))
+        if kind == "randint" and not all(isinstance(a, int) for a in args):
+            raise ConfigError(f"{where}.randint={args!r} must be integers")
+    return Dimension(kind, tuple(args))
+
+
+def _scheduler(value: Any) -> SchedulerSpec:
+    if not isinstance(value, Mapping) or value.get("type") not in SCHEDULER_KEYS:
+        raise ConfigError(f"scheduler must be a mapping with type one of {list(SCHEDULER_KEYS)}, got {value!r}")
+    _only(value, SCHEDULER_KEYS[value["type"]], f"scheduler ({value['type']})")
+    spec = SchedulerSpec(**value)
+    if not isinstance(spec.grace_period, int) or spec.grace_period < 1:
+        raise ConfigError(f"scheduler.grace_period={spec.grace_period!r} must be an integer >= 1")
+    if not isinstance(spec.reduction_factor, (int, float)) or spec.reduction_factor <= 1:
+        raise ConfigError(f"scheduler.reduction_factor={spec.reduction_factor!r} must be a number > 1")
+    return spec
+
+
+def _resources(value: Any) -> dict[str, float]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"resources_per_trial={value!r} must be a mapping like {{cpu: 1, gpu: 0}}")
+    _only(value, ("cpu", "gpu"), "resources_per_trial")
+    for k, v in value.items():
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f"resources_per_trial.{k}={v!r} must be a number >= 0")
+    return {k: float(v) for k, v in value.items()}
+
+
+def _only(value: Any, allowed: tuple[str, ...], where: str) -> None:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where} must be a mapping")
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {list(allowed)}")
+
+
+def _typed(raw: Mapping[str, Any], key: str, typ: type, what: str) -> Any:
+    value = raw[key]
+    if not isinstance(value, typ):
+        raise ConfigError(f"{key}={value!r} must be {what}")
+    return value

@@ -1,0 +1,72 @@
+"""The end-of-sweep summary: best trial, per-trial results, and per data group what sharing saved."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Mapping, Sequence
+
+_TRIAL_COLUMNS = ("trial", "status", "epochs", "metric", "stall_fraction", "batch_size")
+
+
+def build_summary(trials: Sequence[Mapping[str, Any]], groups: Mapping[str, Mapping[str, Any]],
+                  metric: str, mode: str) -> dict[str, Any]:
+    """Assemble the summary from per-trial rows and the searcher's group reports."""
+    scored = [t for t in trials if isinstance(t.get(metric), (int, float)) and not math.isnan(t[metric])]
+    best = (max if mode == "max" else min)(scored, key=lambda t: t[metric]) if scored else None
+    group_rows = {}
+    for key, g in groups.items():
+        prepared, served = g.get("samples_prepared", 0), g.get("samples_served", 0)
+        group_rows[key] = dict(g, saving=(served / prepared) if prepared else None)
+    return {"metric": metric, "mode": mode, "best_trial": best, "trials": list(trials), "groups": group_rows}
+
+
+def write_summary(summary: Mapping[str, Any], directory: str) -> str:
+    """Write ``summary.json`` into ``directory``; returns its path."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "summary.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2, default=str)
+    return path
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """A plain-text rendering for the terminal."""
+    metric = summary["metric"]
+    lines = []
+    best = summary["best_trial"]
+    if best:
+        lines.append(f"Best trial: {best['trial']}  {metric}={best[metric]:.4f}  config={best.get('config')}")
+    else:
+        lines.append(f"Best trial: none reported {metric}")
+    lines.append("")
+    lines.append(_table(
+        ["trial", "status", "epochs", metric, "stall", "batch"],
+        [[t["trial"], t["status"], t.get("epochs", ""), _num(t.get(metric)), _num(t.get("stall_fraction")),
+          t.get("batch_size", "")] for t in summary["trials"]],
+    ))
+    lines.append("")
+    rows = []
+    for key, g in summary["groups"].items():
+        rows.append([key, g.get("dataset"), g.get("samples_prepared"), g.get("samples_served"),
+                     _num(g.get("saving"), "{:.2f}x"), _num(g.get("peak_staged_bytes", 0) / 2**20, "{:.1f}"),
+                     _num(g.get("fetch_s"), "{:.1f}"), _num(g.get("transform_s"), "{:.1f}")])
+    if rows:
+        lines.append(_table(["group", "dataset", "prepared", "served", "saving", "peak MiB", "fetch s",
+                             "decode+aug s"], rows))
+    else:
+        lines.append("No coordinated data groups (coordinated: false): every trial prepared its own data.")
+    return "\n".join(lines)
+
+
+def _num(value: Any, fmt: str = "{:.4f}") -> str:
+    return fmt.format(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
