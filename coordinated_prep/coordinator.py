@@ -72,14 +72,14 @@ class Coordinator:
         self.closed = False
         self.producer: asyncio.Task | None = None
         self.stats: dict[str, Any] = {
-            "group": spec.group_key, "prep_actors": n_actors, "budget_bytes": budget, "lookahead": lookahead,
+            "group": spec.group_key, "coordinator": name, "prep_actors": n_actors, "budget_bytes": budget, "lookahead": lookahead,
             "samples_per_epoch": self.plan.samples_per_epoch, "chunks_per_epoch": self.plan.chunks_per_epoch,
             "pieces_prepared": 0, "samples_prepared": 0, "samples_served": 0, "pieces_failed": 0,
             "fetch_s": 0.0, "transform_s": 0.0, "trials_joined": 0,
         }
 
     # -- trial-facing API -------------------------------------------------------------------
-    async def join(self, trial: str) -> dict[str, int]:
+    async def join(self, trial: str) -> dict[str, Any]:
         """Register ``trial`` as a consumer; returns where its first epoch starts and the epoch size."""
         if self.closed:
             raise PrepError(f"trial {trial}: coordinator {self.name} is shut down")
@@ -90,7 +90,7 @@ class Coordinator:
         logger.info("trial %s joined group %s at piece %d", trial, self.spec.group_key, start)
         await self._notify()
         return {"start": start, "chunks_per_epoch": self.plan.chunks_per_epoch,
-                "samples_per_epoch": self.plan.samples_per_epoch}
+                "samples_per_epoch": self.plan.samples_per_epoch, "name": self.name}
 
     async def fetch(self, trial: str, g: int, timeout_s: float) -> list[ray.ObjectRef]:
         """Wait (at most ``timeout_s``) for piece ``g`` and hand ``trial`` a reference to it.

@@ -76,6 +76,11 @@ class TrainLoader:
         """The stream piece at which this trial's first epoch started (0 when unshared)."""
         return self._stream.start
 
+    @property
+    def coordinator(self) -> str | None:
+        """Actor name of the coordinator serving this trial (None when unshared)."""
+        return self._stream.coordinator
+
     def __len__(self) -> int:
         return math.ceil(self.samples_per_epoch / self.batch_size)
 

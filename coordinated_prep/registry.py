@@ -106,6 +106,8 @@ def _merge(reports: dict[str, dict[str, Any]], key: str, live: dict[str, Any], s
     acc = reports.setdefault(key, {"dataset": spec.dataset, "seed": spec.seed, "coordinators": 0,
                                    "peak_staged_bytes": 0, **{k: 0 for k in _SUMMED}})
     acc["coordinators"] += 1
+    acc.setdefault("per_coordinator", []).append(
+        {k: live.get(k) for k in ("coordinator", "samples_prepared", "samples_served", "pieces_prepared")})
     for k in _SUMMED:
         acc[k] += live.get(k, 0)
     acc["peak_staged_bytes"] = max(acc["peak_staged_bytes"], live.get("peak_staged_bytes", 0))

@@ -22,6 +22,7 @@ class PieceStream(Protocol):
     start: int
     chunks_per_epoch: int
     samples_per_epoch: int
+    coordinator: str | None  # name of the coordinator serving it; None when private
 
     def next_piece(self) -> PreparedChunk:
         """The next piece; raises PrepError naming the trial if it cannot be had."""
@@ -46,6 +47,7 @@ class PrivateStream:
         train_ids, _ = holdout_split(len(self._source), spec.holdout)
         self._plan = StreamPlan(train_ids, spec.seed, spec.chunk_size, spec.segments)
         self.start = 0
+        self.coordinator = None
         self.chunks_per_epoch = self._plan.chunks_per_epoch
         self.samples_per_epoch = self._plan.samples_per_epoch
         self._next = 0
@@ -88,6 +90,7 @@ class SharedStream:
         self.start: int = info["start"]
         self.chunks_per_epoch: int = info["chunks_per_epoch"]
         self.samples_per_epoch: int = info["samples_per_epoch"]
+        self.coordinator: str = info["name"]
         self._next = self.start
         self._prefetch = max(1, prefetch)
         self._pending: collections.deque[tuple[int, ray.ObjectRef]] = collections.deque()

@@ -1,0 +1,52 @@
+"""Shared fixtures: one Ray instance per test module, small datasets, an isolated dataset cache."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from tests.utils import make_imagefolder
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    """Generated datasets go to a per-session cache, never the user's."""
+    os.environ["COORDPREP_CACHE"] = str(tmp_path_factory.mktemp("coordprep-cache"))
+    yield
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray instance shared by the tests of one module (start-up costs seconds)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=512 * 2**20, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": REPO, "COORDPREP_CACHE": os.environ["COORDPREP_CACHE"]}})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def small_dataset(tmp_path_factory) -> str:
+    """An ImageFolder of 3 classes x 60 images (JPEG and PNG), 48 x 40 px."""
+    return make_imagefolder(str(tmp_path_factory.mktemp("imagefolder")), classes=3, per_class=60)
+
+
+def plasma_objects() -> int:
+    """Objects in the node's object store now (from Ray's memory summary)."""
+    from ray._private.internal_api import memory_summary
+
+    match = re.search(r"Plasma memory usage \d+ MiB, (\d+) objects", memory_summary(stats_only=True))
+    assert match, "Ray's memory summary changed format"
+    return int(match.group(1))
+
+
+def live_coordprep_actors() -> list[str]:
+    """Names of our actors still alive (registry, coordinators)."""
+    import ray
+
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("coordprep")]

@@ -1,0 +1,154 @@
+"""End to end through Ray Tune: concurrent trials share one pipeline and each sees exact epochs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from ray import tune
+from ray.tune.schedulers import ASHAScheduler
+
+from coordinated_prep import CoordinatedSearcher, DataSpec, train_loader
+from coordinated_prep.backends import make_preprocessor
+from coordinated_prep.chunk import prepare_chunk
+from coordinated_prep.plan import holdout_split
+from coordinated_prep.sources import open_source
+from tests.conftest import live_coordprep_actors, plasma_objects
+from tests.harness import assert_exactly_once
+from tests.recording import load_records, record, sample_digests
+
+EPOCHS = 3
+LOOKAHEAD = 2
+
+
+def _spec(dataset: str, **overrides) -> DataSpec:
+    values = dict(dataset=dataset, pipeline={"size": 32, "scale": [0.3, 1.0]}, seed=5, chunk_size=8, segments=4,
+                  prep_actors=2, lookahead=LOOKAHEAD)
+    values.update(overrides)
+    return DataSpec(**values)
+
+
+def _train_ids(spec: DataSpec) -> np.ndarray:
+    return holdout_split(len(open_source(spec.dataset)), spec.holdout)[0]
+
+
+def _reference_digests(spec: DataSpec, epochs: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """What the unshared pipeline makes of each (stream epoch, index), computed in this process."""
+    source, prep = open_source(spec.dataset), make_preprocessor(spec.pipeline)
+    out = np.empty(len(indices), dtype=np.uint64)
+    for e in np.unique(epochs):
+        sel = epochs == e
+        chunk, _ = prepare_chunk(source, prep, spec.seed, int(e), indices[sel], spec.pipeline.size)
+        out[sel] = sample_digests(chunk.images)
+    return out
+
+
+def _check_trial(spec: DataSpec, epochs: list[dict], batch_size: int, who: str) -> None:
+    ids = _train_ids(spec)
+    assert_exactly_once([e["indices"] for e in epochs], ids, who)
+    for e in epochs:
+        sizes = e["batch_sizes"]
+        assert (sizes[:-1] == batch_size).all() and 0 < sizes[-1] <= batch_size, (who, sizes)
+        assert len(sizes) == math.ceil(len(ids) / batch_size)
+        want = _reference_digests(spec, e["stream_epochs"], e["indices"])
+        assert np.array_equal(e["digests"], want), f"{who}: bytes differ from the unshared pipeline"
+
+
+def test_concurrent_trials_of_different_batch_sizes_share_one_pipeline(ray_session, small_dataset, tmp_path):
+    baseline = plasma_objects()
+    spec = _spec(small_dataset)
+    searcher = CoordinatedSearcher()
+    sizes = [8, 12, 20, 7]
+    analysis = tune.run(
+        tune.with_resources(record, {"cpu": 0.25}), config={"data": spec, "batch_size": tune.grid_search(sizes), "epochs": EPOCHS, "out": str(tmp_path)},
+        search_alg=searcher, verbose=0,
+    )
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    reports = searcher.group_reports()
+    searcher.close()
+    records = load_records(str(tmp_path))
+    by_trial = {t.trial_id: t.config["batch_size"] for t in analysis.trials}
+    assert set(records) == set(by_trial)
+    for trial, epochs in records.items():
+        assert len(epochs) == EPOCHS
+        _check_trial(spec, epochs, by_trial[trial], trial)
+
+    # Each coordinator prepared each (stream epoch, sample) once: at least every pair its trials saw,
+    # and at most that plus the pieces requested ahead (prefetch) and prepared ahead (lookahead).
+    [report] = reports.values()
+    slack = (LOOKAHEAD + 2 * math.ceil(max(sizes) / spec.chunk_size) + 1) * spec.chunk_size
+    for incarnation in report["per_coordinator"]:
+        mine = [r for eps in records.values() for r in eps if str(r["coordinator"]) == incarnation["coordinator"]]
+        seen = {(int(e), int(i)) for r in mine for e, i in zip(r["stream_epochs"], r["indices"])}
+        assert len(seen) <= incarnation["samples_prepared"] <= len(seen) + slack, (len(seen), incarnation)
+    served = sum(len(r["indices"]) for eps in records.values() for r in eps)
+    assert report["samples_served"] >= served > report["samples_prepared"], report
+
+    # Trials that started at piece 0 get the very batches of the unshared loader.
+    starters = [t for t, eps in records.items() if int(eps[0]["start"]) == 0]
+    assert starters, "the first trial to join starts at piece 0"
+    for trial in starters:
+        private = train_loader(_spec(small_dataset, coordinated=False), batch_size=by_trial[trial])
+        for k, saved in enumerate(records[trial]):
+            batches = list(private)
+            assert np.array_equal(np.concatenate([b.indices.numpy() for b in batches]), saved["indices"])
+            assert np.array_equal(np.concatenate([sample_digests(b.images.numpy()) for b in batches]), saved["digests"])
+
+    assert live_coordprep_actors() == []
+    assert plasma_objects() == baseline, "pieces of ours left in the object store"
+
+
+def test_tuner_groups_by_spec_and_unshared_trials_match(ray_session, small_dataset, tmp_path):
+    baseline = plasma_objects()
+    a, b = _spec(small_dataset, seed=1), _spec(small_dataset, seed=2)
+    unshared = _spec(small_dataset, seed=1, coordinated=False)
+    searcher = CoordinatedSearcher(max_concurrent=4)
+    tuner = tune.Tuner(
+        tune.with_resources(record, {"cpu": 0.25}),
+        param_space={"data": tune.grid_search([a, b, unshared, a]), "batch_size": 16, "epochs": 2,
+                     "out": str(tmp_path / "records")},
+        tune_config=tune.TuneConfig(search_alg=searcher),
+        run_config=tune.RunConfig(verbose=0, storage_path=str(tmp_path / "results")),
+    )
+    results = tuner.fit()
+    assert not results.errors, results.errors
+    reports = searcher.group_reports()
+    searcher.close()
+    assert set(reports) == {a.group_key, b.group_key}, "equal specs share a group; different seeds do not"
+    assert reports[a.group_key]["trials_joined"] == 2 and reports[b.group_key]["trials_joined"] == 1
+    records = load_records(str(tmp_path / "records"))
+    specs = {r.metrics["trial_id"]: r.config["data"] for r in results}
+    assert len(records) == 4
+    for trial, epochs in records.items():
+        _check_trial(specs[trial], epochs, 16, trial)
+    assert live_coordprep_actors() == [] and plasma_objects() == baseline
+
+
+def test_asha_stops_trials_early_without_leaks(ray_session, small_dataset, tmp_path):
+    baseline = plasma_objects()
+    spec = _spec(small_dataset)
+    searcher = CoordinatedSearcher(max_concurrent=3)
+    epochs = 4
+    analysis = tune.run(
+        tune.with_resources(record, {"cpu": 0.25}), config={"data": spec, "batch_size": 16, "epochs": epochs, "out": str(tmp_path),
+                        "score": tune.grid_search([1, 2, 3, 4, 5, 6])},
+        search_alg=searcher, verbose=0, metric="score", mode="max",
+        scheduler=ASHAScheduler(max_t=epochs, grace_period=1, reduction_factor=2),
+    )
+    searcher.close()
+    iterations = {t.trial_id: t.last_result["training_iteration"] for t in analysis.trials}
+    assert all(t.status == "TERMINATED" for t in analysis.trials)
+    assert min(iterations.values()) < epochs, "ASHA stopped no trial early"
+    assert max(iterations.values()) == epochs, "no trial survived to the end"
+    for trial, recorded in load_records(str(tmp_path)).items():
+        assert len(recorded) >= iterations[trial]
+        _check_trial(spec, recorded, 16, trial)
+    assert live_coordprep_actors() == [] and plasma_objects() == baseline
+
+
+def test_sharing_without_the_searcher_is_a_clear_error(small_dataset):
+    from coordinated_prep import ConfigError
+
+    with pytest.raises(ConfigError, match="CoordinatedSearcher"):
+        train_loader({"data": _spec(small_dataset)}, batch_size=8)
