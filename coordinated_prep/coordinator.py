@@ -70,6 +70,7 @@ class Coordinator:
         self.in_flight = 0
         self.changed = asyncio.Condition()
         self.closed = False
+        self.fatal: BaseException | None = None  # an unexpected producer failure, re-raised to every trial
         self.producer: asyncio.Task | None = None
         self.stats: dict[str, Any] = {
             "group": spec.group_key, "coordinator": name, "prep_actors": n_actors, "budget_bytes": budget, "lookahead": lookahead,
@@ -116,6 +117,8 @@ class Coordinator:
                 f"(head {self.buffer.head}, staged {self.buffer.staged_bytes} of {self.buffer.budget_bytes} bytes); "
                 "a slower trial may hold the staging budget: raise data.staging_bytes or data.fetch_timeout_s"
             ) from None
+        if self.fatal is not None:
+            raise PrepError(f"trial {trial}: coordinator {self.name} failed: {self.fatal!r}")
         if self.closed or trial not in self.buffer.consumers:
             return []
         slot = self.buffer.slots[g]
@@ -158,6 +161,14 @@ class Coordinator:
 
     # -- producing ---------------------------------------------------------------------------
     async def _produce(self) -> None:
+        try:
+            await self._produce_loop()
+        except Exception as e:  # a bug, not a data error: fail every waiting trial at once, loudly
+            logger.exception("%s: the producer failed", self.name)
+            self.fatal = e
+            await self._notify()
+
+    async def _produce_loop(self) -> None:
         while not self.closed:
             async with self.changed:
                 # Woken on every state change; the timeout is only a liveness re-check.
@@ -201,7 +212,7 @@ class Coordinator:
             await self._notify()
 
     def _settled_or_gone(self, trial: str, g: int) -> bool:
-        if self.closed or trial not in self.buffer.consumers:
+        if self.closed or self.fatal is not None or trial not in self.buffer.consumers:
             return True
         slot = self.buffer.slots.get(g)
         return slot is not None and slot.state is not SlotState.RESERVED

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from coordinated_prep.coordinator import Coordinator, node_resources
 from coordinated_prep.naming import NAMESPACE
 from coordinated_prep.spec import DataSpec
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 logger = logging.getLogger(__name__)
 

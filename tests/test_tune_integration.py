@@ -152,3 +152,31 @@ def test_sharing_without_the_searcher_is_a_clear_error(small_dataset):
 
     with pytest.raises(ConfigError, match="CoordinatedSearcher"):
         train_loader({"data": _spec(small_dataset)}, batch_size=8)
+
+
+def test_a_corrupt_jpeg_fails_its_trials_naming_the_file(ray_session, tmp_path):
+    import shutil
+
+    from tests.utils import make_imagefolder
+
+    root = make_imagefolder(str(tmp_path / "data"), classes=2, per_class=20, png_every=99)
+    spec = _spec(root, holdout=0.0)
+    victim = open_source(root).paths[7]
+    with open(victim, "r+b") as f:
+        f.truncate(60)
+    open_source.cache_clear()
+    baseline = plasma_objects()
+    searcher = CoordinatedSearcher()
+    analysis = tune.run(
+        tune.with_resources(record, {"cpu": 0.25}),
+        config={"data": spec, "batch_size": 8, "epochs": 1, "out": str(tmp_path / "records"),
+                "score": tune.grid_search([1, 2])},
+        search_alg=searcher, verbose=0, raise_on_failed_trial=False,
+    )
+    searcher.close()
+    assert [t.status for t in analysis.trials] == ["ERROR", "ERROR"]
+    for trial in analysis.trials:
+        message = open(trial.error_file).read()
+        assert f"trial {trial.trial_id}" in message and "sample 7" in message and victim in message, message
+    assert live_coordprep_actors() == [] and plasma_objects() == baseline
+    shutil.rmtree(root)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 from torchvision.io import ImageReadMode, decode_image
@@ -9,6 +11,11 @@ from torchvision.transforms.v2 import functional as F
 
 from coordinated_prep.backends.augment import crop_params
 from coordinated_prep.spec import PipelineSpec
+
+# torchvision 0.29 warns on every decode that torchcodec will take over; once per sample would
+# flood every prep actor's log, so this one message is silenced (the API still works as documented).
+warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
+                        category=DeprecationWarning)
 
 
 class TorchvisionPreprocessor:

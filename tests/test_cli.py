@@ -1,0 +1,42 @@
+"""The coordprep command: errors before Ray starts, and a tiny sweep end to end with its summary."""
+
+import json
+import textwrap
+
+from coordinated_prep.cli import main
+
+
+def test_bad_file_exits_2_with_the_key_named(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("trainable: small_cnn\nsearch_space: {lr: 0.1}\nnum_sampels: 3\n")
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "num_sampels" in err and "allowed" in err
+
+
+def test_dry_run_validates_without_ray(capsys):
+    assert main(["sweep", "experiments/default.yaml", "--dry-run"]) == 0
+    assert "valid" in capsys.readouterr().out
+
+
+def test_a_tiny_sweep_prints_and_writes_its_summary(ray_session, small_dataset, tmp_path, capsys):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(textwrap.dedent(f"""
+        name: tiny
+        storage_path: {tmp_path / "runs"}
+        trainable: small_cnn
+        data: {{dataset: {small_dataset}, pipeline: {{size: 24}}, chunk_size: 8, prep_actors: 1}}
+        search_space: {{lr: {{loguniform: [0.01, 0.1]}}, batch_size: {{choice: [8, 16]}}, width: 4, epochs: 2}}
+        num_samples: 3
+        max_concurrent_trials: 3
+        resources_per_trial: {{cpu: 0.25}}
+    """))
+    assert main(["sweep", str(path), "--verbose", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "Best trial:" in out and "prepared" in out and "served" in out
+    summary = json.loads((tmp_path / "runs" / "tiny" / "summary.json").read_text())
+    assert len(summary["trials"]) == 3 and summary["best_trial"]["accuracy"] is not None
+    [group] = summary["groups"].values()
+    assert group["samples_served"] >= 3 * 2 * group["samples_per_epoch"]
+    assert group["samples_prepared"] < group["samples_served"]
+    assert all(t["stall_fraction"] is not None for t in summary["trials"])

@@ -1,0 +1,40 @@
+"""DataSpec and PipelineSpec: validation at construction, grouping by equality."""
+
+import pytest
+
+from coordinated_prep import ConfigError, DataSpec, PipelineSpec
+
+
+def test_equal_specs_share_a_group_key_and_different_ones_do_not():
+    a = DataSpec(pipeline={"size": 64})
+    assert a == DataSpec(pipeline=PipelineSpec(size=64)) and a.group_key == DataSpec(pipeline={"size": 64}).group_key
+    assert a.group_key != DataSpec(pipeline={"size": 64}, seed=1).group_key
+    assert a.group_key != DataSpec(pipeline={"size": 64, "hflip": 0.0}).group_key
+    assert hash(a) == hash(DataSpec(pipeline={"size": 64}))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"chunk_size": 0}, "data.chunk_size=0 must be an integer >= 1"),
+    ({"seed": -1}, "data.seed=-1"),
+    ({"holdout": 1.0}, "data.holdout=1.0"),
+    ({"staging_bytes": -5}, "data.staging_bytes=-5"),
+    ({"staging_bytes": 100}, "smaller than one piece"),
+    ({"coordinated": "yes"}, "data.coordinated='yes' must be true or false"),
+    ({"pipeline": {"size": 0}}, "data.pipeline.size=0"),
+    ({"pipeline": {"scale": [0.5, 1.5]}}, "upper bound must be at most 1.0"),
+    ({"pipeline": {"size": 64, "eval_resize": 32}}, "centre crop must fit"),
+    ({"pipeline": {"backend": "opencv"}}, "data.pipeline.backend='opencv'"),
+    ({"pipeline": {"sise": 64}}, r"unknown key\(s\) \['sise'\]"),
+])
+def test_bad_values_name_the_key_and_the_rule(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        DataSpec(**kwargs)
+
+
+def test_from_mapping_rejects_unknown_keys_by_name():
+    with pytest.raises(ConfigError, match=r"data: unknown key\(s\) \['sed'\]; allowed keys are"):
+        DataSpec.from_mapping({"sed": 1})
+
+
+def test_repr_is_short():
+    assert repr(DataSpec(seed=3)) == "DataSpec(seed=3)"
