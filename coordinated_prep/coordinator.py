@@ -72,6 +72,7 @@ class Coordinator:
         self.closed = False
         self.fatal: BaseException | None = None  # an unexpected producer failure, re-raised to every trial
         self.producer: asyncio.Task | None = None
+        self.settling: set[asyncio.Task] = set()  # strong references: asyncio keeps only weak ones
         self.stats: dict[str, Any] = {
             "group": spec.group_key, "coordinator": name, "prep_actors": n_actors, "budget_bytes": budget, "lookahead": lookahead,
             "samples_per_epoch": self.plan.samples_per_epoch, "chunks_per_epoch": self.plan.chunks_per_epoch,
@@ -82,27 +83,27 @@ class Coordinator:
     # -- trial-facing API -------------------------------------------------------------------
     async def join(self, trial: str) -> dict[str, Any]:
         """Register ``trial`` as a consumer; returns where its first epoch starts and the epoch size."""
-        if self.closed:
-            raise PrepError(f"trial {trial}: coordinator {self.name} is shut down")
+        if self.closed or self.fatal is not None:
+            raise PrepError(f"trial {trial}: coordinator {self.name} is shut down or failed ({self.fatal!r})")
         if self.producer is None:  # created here because __init__ runs outside the event loop
             self.producer = asyncio.get_running_loop().create_task(self._produce())
-        start = self.buffer.join(trial)
+        token, start = self.buffer.join(trial)
         self.stats["trials_joined"] += 1
         logger.info("trial %s joined group %s at piece %d", trial, self.spec.group_key, start)
         await self._notify()
-        return {"start": start, "chunks_per_epoch": self.plan.chunks_per_epoch,
+        return {"token": token, "start": start, "chunks_per_epoch": self.plan.chunks_per_epoch,
                 "samples_per_epoch": self.plan.samples_per_epoch, "name": self.name}
 
-    async def fetch(self, trial: str, g: int, timeout_s: float) -> list[ray.ObjectRef]:
-        """Wait (at most ``timeout_s``) for piece ``g`` and hand ``trial`` a reference to it.
+    async def fetch(self, trial: str, token: int, g: int, timeout_s: float) -> list[ray.ObjectRef]:
+        """Wait (at most ``timeout_s``) for piece ``g`` and hand ``trial`` (incarnation ``token``) a reference.
 
         Returns the reference inside a list so that Ray passes the reference, not the data; the
         trial becomes a borrower and reads the piece zero-copy from the object store. Returns an
         empty list if the trial left or the group shut down meanwhile: such an answer usually
         belongs to a prefetch the trial will never read, and the trial raises if it does.
         """
-        if self.closed or trial not in self.buffer.consumers:
-            return []
+        if self.closed or not self.buffer.is_current(trial, token):
+            return []  # left, re-joined since (a stale request of an earlier incarnation), or shut down
         if not self.buffer.needs(trial, g):
             raise PrepError(f"trial {trial}: piece {g} is not one it may fetch from {self.name} "
                             "(before its start, or fetched already)")
@@ -110,7 +111,7 @@ class Coordinator:
         await self._notify()
         try:
             async with self.changed:
-                await asyncio.wait_for(self.changed.wait_for(lambda: self._settled_or_gone(trial, g)), timeout_s)
+                await asyncio.wait_for(self.changed.wait_for(lambda: self._settled_or_gone(trial, token, g)), timeout_s)
         except asyncio.TimeoutError:
             raise PrepError(
                 f"trial {trial}: piece {g} was not prepared within {timeout_s}s by {self.name} "
@@ -119,9 +120,9 @@ class Coordinator:
             ) from None
         if self.fatal is not None:
             raise PrepError(f"trial {trial}: coordinator {self.name} failed: {self.fatal!r}")
-        if self.closed or trial not in self.buffer.consumers:
+        slot = self.buffer.slots.get(g)
+        if self.closed or not self.buffer.is_current(trial, token) or slot is None:
             return []
-        slot = self.buffer.slots[g]
         n = self.plan.chunk_len(g)
         self.buffer.fetched(trial, g, n)
         await self._notify()  # a release may let the producer go on
@@ -131,9 +132,9 @@ class Coordinator:
             raise PrepError(f"trial {trial}: preparing piece {g} (epoch {self.plan.locate(g)[0]}) failed: {slot.payload}")
         return [slot.payload]
 
-    async def leave(self, trial: str) -> None:
-        """Unregister ``trial``; pieces only it still needed are freed."""
-        released = self.buffer.leave(trial)
+    async def leave(self, trial: str, token: int | None = None) -> None:
+        """Unregister ``trial`` (only incarnation ``token`` if given); pieces only it still needed are freed."""
+        released = self.buffer.leave(trial, token)
         if released:
             logger.info("trial %s left group %s; freed %d pieces", trial, self.spec.group_key, len(released))
         await self._notify()
@@ -184,7 +185,9 @@ class Coordinator:
             actor = self.actors[g % len(self.actors)]
             timing_ref, chunk_ref = actor.prepare.options(num_returns=2).remote(epoch, self.plan.chunk_samples(g))
             self.in_flight += 1
-            asyncio.get_running_loop().create_task(self._settle(slot.g, timing_ref, chunk_ref))
+            task = asyncio.get_running_loop().create_task(self._settle(slot.g, timing_ref, chunk_ref))
+            self.settling.add(task)
+            task.add_done_callback(self.settling.discard)
 
     def _can_produce(self) -> bool:
         if self.closed:
@@ -211,8 +214,8 @@ class Coordinator:
             self.in_flight -= 1
             await self._notify()
 
-    def _settled_or_gone(self, trial: str, g: int) -> bool:
-        if self.closed or self.fatal is not None or trial not in self.buffer.consumers:
+    def _settled_or_gone(self, trial: str, token: int, g: int) -> bool:
+        if self.closed or self.fatal is not None or not self.buffer.is_current(trial, token):
             return True
         slot = self.buffer.slots.get(g)
         return slot is not None and slot.state is not SlotState.RESERVED

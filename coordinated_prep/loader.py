@@ -85,6 +85,10 @@ class TrainLoader:
         return math.ceil(self.samples_per_epoch / self.batch_size)
 
     def __iter__(self) -> Iterator[Batch]:
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        first = self._stream.start + epoch * self._stream.chunks_per_epoch
+        while self._stream.position < first:  # the previous epoch was cut short (break, max steps)
+            self._stream.skip()  # its rest is passed over, so this epoch is again exactly one pass
         pending: list[PreparedChunk] = []  # pieces (or their tails) not yet put into a batch
         have = 0
         for _ in range(self._stream.chunks_per_epoch):
@@ -97,7 +101,6 @@ class TrainLoader:
                 yield batch
         if have:
             yield _take(pending, have)[0]
-        self.epoch += 1
 
     def close(self) -> None:
         """Leave the data group now instead of when Tune reports the trial finished."""
@@ -141,8 +144,7 @@ def _take(pending: list[PreparedChunk], n: int) -> tuple[Batch, list[PreparedChu
 
 
 def train_loader(
-    config: Mapping[str, Any] | DataSpec, batch_size: int, *, key: str = "data",
-    trial_id: str | None = None, prefetch: int | None = None,
+    config: Mapping[str, Any] | DataSpec, batch_size: int, *, key: str = "data", prefetch: int | None = None,
 ) -> TrainLoader:
     """The training loader of a Tune trial.
 
@@ -155,7 +157,6 @@ def train_loader(
             with ``coordinated=False``.
         batch_size: Samples per batch; trials of one group may differ.
         key: Config key of the DataSpec.
-        trial_id: The consumer's id; defaults to the current Tune trial's id.
         prefetch: Pieces requested ahead; defaults to two batches' worth.
 
     Raises:
@@ -173,7 +174,7 @@ def train_loader(
             "run the sweep with search_alg=CoordinatedSearcher() (tune.run or tune.TuneConfig), pass the "
             "whole trial config to train_loader, or set coordinated=False"
         )
-    trial = trial_id or _current_trial_id()
+    trial = _current_trial_id()
     depth = prefetch if prefetch is not None else 2 * math.ceil(batch_size / spec.chunk_size) + 1
     return TrainLoader(SharedStream(spec, session, trial, depth), batch_size)
 
@@ -199,5 +200,6 @@ def _current_trial_id() -> str:
     except Exception:  # outside a Tune trial the context raises or returns None, depending on version
         trial = None
     if not trial:
-        raise ConfigError("train_loader: not inside a Tune trial; pass trial_id=... to name this consumer")
+        raise ConfigError("train_loader: coordinated=True works inside a Tune trial only; "
+                          "outside Tune use DataSpec(coordinated=False)")
     return trial

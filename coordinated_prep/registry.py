@@ -6,6 +6,7 @@ CoordinatedSearcher (driver) -> GroupRegistry -> Coordinator per group -> prep a
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from coordinated_prep.spec import DataSpec
 
 logger = logging.getLogger(__name__)
 
+_CALL_TIMEOUT_S = 30.0
+_KEPT_INCARNATIONS = 50  # per group, the most recent coordinators' own counters kept in reports
 _SUMMED = ("samples_prepared", "samples_served", "pieces_prepared", "pieces_failed", "trials_joined",
            "fetch_s", "transform_s")
 
@@ -49,6 +52,8 @@ class GroupRegistry:
     async def group_for(self, spec: DataSpec, trial: str) -> Any:
         """The coordinator of ``spec``'s group on this node, created if needed; ``trial`` becomes a member."""
         key = spec.group_key
+        if self._trial_group.get(trial, key) != key:  # the trial changed its data spec (e.g. PBT)
+            await self.trial_done(trial)
         group = self._groups.get(key)
         if group is None:
             name = f"coordprep-{self.session}-{key}-{next(self._incarnation)}"
@@ -71,14 +76,18 @@ class GroupRegistry:
         group = self._groups[key]
         group.trials.discard(trial)
         if group.trials:
-            await group.actor.leave.remote(trial)
+            try:
+                await asyncio.wait_for(group.actor.leave.remote(trial), _CALL_TIMEOUT_S)
+            except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
+                logger.warning("data group %s: trial %s could not leave cleanly: %r", key, trial, e)
             return
         del self._groups[key]  # before any await, so a concurrent join starts a fresh group
         try:
-            _merge(self._finished, key, await group.actor.report.remote(), group.spec)
-            await group.actor.close.remote()
-        except ray.exceptions.RayError as e:
-            logger.warning("data group %s: coordinator did not close cleanly: %s", key, e)
+            _merge(self._finished, key, await asyncio.wait_for(group.actor.report.remote(), _CALL_TIMEOUT_S),
+                   group.spec)
+            await asyncio.wait_for(group.actor.close.remote(), _CALL_TIMEOUT_S)
+        except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
+            logger.warning("data group %s: coordinator did not close cleanly: %r", key, e)
         ray.kill(group.actor)
         logger.info("data group %s: last trial left; coordinator destroyed", key)
 
@@ -87,8 +96,8 @@ class GroupRegistry:
         out = {k: dict(v) for k, v in self._finished.items()}
         for key, group in list(self._groups.items()):
             try:
-                _merge(out, key, await group.actor.report.remote(), group.spec)
-            except ray.exceptions.RayError as e:
+                _merge(out, key, await asyncio.wait_for(group.actor.report.remote(), _CALL_TIMEOUT_S), group.spec)
+            except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
                 logger.warning("data group %s: no report: %s", key, e)
         return out
 
@@ -106,8 +115,9 @@ def _merge(reports: dict[str, dict[str, Any]], key: str, live: dict[str, Any], s
     acc = reports.setdefault(key, {"dataset": spec.dataset, "seed": spec.seed, "coordinators": 0,
                                    "peak_staged_bytes": 0, **{k: 0 for k in _SUMMED}})
     acc["coordinators"] += 1
-    acc.setdefault("per_coordinator", []).append(
-        {k: live.get(k) for k in ("coordinator", "samples_prepared", "samples_served", "pieces_prepared")})
+    kept = acc.setdefault("per_coordinator", [])
+    kept.append({k: live.get(k) for k in ("coordinator", "samples_prepared", "samples_served", "pieces_prepared")})
+    del kept[:-_KEPT_INCARNATIONS]
     for k in _SUMMED:
         acc[k] += live.get(k, 0)
     acc["peak_staged_bytes"] = max(acc["peak_staged_bytes"], live.get("peak_staged_bytes", 0))

@@ -48,8 +48,13 @@ class Slot:
 
 @dataclass
 class Consumer:
-    """A registered trial: the piece its first epoch starts at and how many samples it was served."""
+    """A registered trial: its incarnation token, the piece its first epoch starts at, samples served.
 
+    The token tells a trial that re-joined under the same id (a Tune retry) from requests its
+    previous incarnation left in flight: those must not consume the new incarnation's pieces.
+    """
+
+    token: int
     start: int
     served_samples: int = 0
 
@@ -75,10 +80,11 @@ class StagingBuffer:
         self.consumers: dict[str, Consumer] = {}
         self.staged_bytes = 0
         self.peak_bytes = 0
+        self._tokens = 0
 
     # -- consumers --------------------------------------------------------------------------
-    def join(self, trial: str) -> int:
-        """Register ``trial`` and return the piece its first epoch starts at.
+    def join(self, trial: str) -> tuple[int, int]:
+        """Register ``trial``; returns ``(token, start)``: its incarnation and its first epoch's piece.
 
         A trial that is already registered (a retry under the same id) is first removed, so it
         starts a fresh epoch. The start is the first join point from which every piece up to the
@@ -91,19 +97,28 @@ class StagingBuffer:
                 break
             low = g
         start = self._next_join_point(low)
-        if not self.consumers and not self.slots:
-            self.head = max(self.head, start)  # nobody needs the pieces in between: skip them
-        self.consumers[trial] = Consumer(start=start)
+        if not any(c.start <= self.head for c in self.consumers.values()):
+            # Nobody needs the pieces between the head and this start (pieces still in flight there
+            # are freed when they land): skip them, or no consumer would ever want the head again.
+            self.head = max(self.head, start)
+        self._tokens += 1
+        self.consumers[trial] = Consumer(token=self._tokens, start=start)
         self.demand = max(self.demand, start)
         for g, slot in self.slots.items():
             if g >= start:
                 slot.waiting.add(trial)
-        return start
+        return self._tokens, start
 
-    def leave(self, trial: str) -> list[Slot]:
-        """Unregister ``trial``; return the slots released because only it still needed them."""
-        if self.consumers.pop(trial, None) is None:
+    def is_current(self, trial: str, token: int) -> bool:
+        """Whether ``token`` is the live incarnation of ``trial``."""
+        consumer = self.consumers.get(trial)
+        return consumer is not None and consumer.token == token
+
+    def leave(self, trial: str, token: int | None = None) -> list[Slot]:
+        """Unregister ``trial`` (only incarnation ``token`` if given); returns the slots this released."""
+        if trial not in self.consumers or token is not None and not self.is_current(trial, token):
             return []
+        del self.consumers[trial]
         released = []
         for slot in list(self.slots.values()):
             slot.waiting.discard(trial)

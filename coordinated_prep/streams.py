@@ -24,8 +24,17 @@ class PieceStream(Protocol):
     samples_per_epoch: int
     coordinator: str | None  # name of the coordinator serving it; None when private
 
+    @property
+    def position(self) -> int:
+        """Number of the piece ``next_piece`` returns next."""
+        ...
+
     def next_piece(self) -> PreparedChunk:
         """The next piece; raises PrepError naming the trial if it cannot be had."""
+        ...
+
+    def skip(self) -> None:
+        """Pass over the next piece without reading it (it still counts as taken)."""
         ...
 
     def close(self) -> None:
@@ -51,6 +60,13 @@ class PrivateStream:
         self.chunks_per_epoch = self._plan.chunks_per_epoch
         self.samples_per_epoch = self._plan.samples_per_epoch
         self._next = 0
+
+    @property
+    def position(self) -> int:
+        return self._next
+
+    def skip(self) -> None:
+        self._next += 1
 
     def next_piece(self) -> PreparedChunk:
         g, self._next = self._next, self._next + 1
@@ -91,20 +107,32 @@ class SharedStream:
         self.chunks_per_epoch: int = info["chunks_per_epoch"]
         self.samples_per_epoch: int = info["samples_per_epoch"]
         self.coordinator: str = info["name"]
+        self._token: int = info["token"]
         self._next = self.start
         self._prefetch = max(1, prefetch)
         self._pending: collections.deque[tuple[int, ray.ObjectRef]] = collections.deque()
         self._closed = False
 
+    @property
+    def position(self) -> int:
+        return self._pending[0][0] if self._pending else self._next
+
     def next_piece(self) -> PreparedChunk:
+        g, piece_ref = self._take()
+        return self._call(piece_ref, f"reading piece {g}")
+
+    def skip(self) -> None:
+        self._take()
+
+    def _take(self) -> tuple[int, ray.ObjectRef]:
         while len(self._pending) < self._prefetch:  # bounded: at most `prefetch` requests in flight
             g, self._next = self._next, self._next + 1
-            self._pending.append((g, self._coordinator.fetch.remote(self._trial, g, self._timeout)))
+            self._pending.append((g, self._coordinator.fetch.remote(self._trial, self._token, g, self._timeout)))
         g, ref = self._pending.popleft()
         answer = self._call(ref, f"waiting for piece {g}", self._timeout + 30)
         if not answer:
             raise PrepError(f"trial {self._trial}: its data group ended or dropped it while it waited for piece {g}")
-        return self._call(answer[0], f"reading piece {g}")
+        return g, answer[0]
 
     def close(self) -> None:
         """Leave the group (idempotent); pieces only this trial still needed are freed."""
@@ -113,7 +141,7 @@ class SharedStream:
         self._closed = True
         self._pending.clear()
         try:
-            ray.get(self._coordinator.leave.remote(self._trial), timeout=30)
+            ray.get(self._coordinator.leave.remote(self._trial, self._token), timeout=30)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             pass  # the coordinator is gone or busy: the searcher's on_trial_complete removes us anyway
 
@@ -127,3 +155,5 @@ class SharedStream:
             raise PrepError(f"trial {self._trial}: {doing} failed: {cause}") from e
         except ray.exceptions.RayActorError as e:
             raise PrepError(f"trial {self._trial}: the group's coordinator died while {doing}: {e}") from e
+        except ray.exceptions.RayError as e:  # e.g. the piece was lost with its owner
+            raise PrepError(f"trial {self._trial}: {doing} failed: {e}") from e

@@ -47,3 +47,16 @@ def test_bad_batch_size_and_missing_spec_are_clear_errors(spec):
         train_loader(spec, batch_size=0)
     with pytest.raises(ConfigError, match="no 'data' entry"):
         train_loader({"lr": 0.1}, batch_size=8)
+
+
+def test_an_epoch_cut_short_does_not_shift_the_next(spec):
+    reference = train_loader(spec, batch_size=10)
+    expected = [np.concatenate([b.indices.numpy() for b in reference]) for _ in range(3)]
+    loader = train_loader(spec, batch_size=10)
+    first = np.concatenate([b.indices.numpy() for b in loader])
+    for step, _ in enumerate(loader):  # epoch 1 stops after two batches, as a max-steps loop would
+        if step == 1:
+            break
+    third = np.concatenate([b.indices.numpy() for b in loader])
+    assert np.array_equal(first, expected[0])
+    assert np.array_equal(third, expected[2]), "epoch 2 must be the stream's epoch 2, whatever epoch 1 did"

@@ -24,11 +24,11 @@ def test_first_join_starts_at_zero_and_skips_unwanted_pieces():
     plan = StreamPlan(np.arange(40), 0, chunk_size=4, segments=5)  # 10 pieces, segments of 2
     buf = _buffer(plan, 4)
     assert not buf.wanted()
-    assert buf.join("a") == 0
+    assert buf.join("a")[1] == 0
     assert buf.wanted()
     buf.leave("a")
     buf.head = 3  # as if three pieces had been produced and freed
-    assert buf.join("b") == 4, "a lone joiner starts at the next join point; nobody needs piece 3"
+    assert buf.join("b")[1] == 4, "a lone joiner starts at the next join point; nobody needs piece 3"
     assert buf.head == 4
 
 
@@ -39,8 +39,33 @@ def test_joiner_is_served_from_what_is_staged():
     for _ in range(5):
         buf.mark_ready(buf.reserve(PIECE).g, object())
     assert buf.fetched("a", 0, 4) is not None  # only consumer: freed at once
-    assert buf.join("b") == 2, "pieces 1..4 are staged: b starts at the first join point among them"
+    assert buf.join("b")[1] == 2, "pieces 1..4 are staged: b starts at the first join point among them"
     assert "b" in buf.slots[2].waiting and "b" not in buf.slots[1].waiting
+
+
+def test_joining_behind_in_flight_pieces_keeps_production_alive():
+    """Regression: the only trial leaves with pieces in flight; the next joiner must not stall."""
+    plan = StreamPlan(np.arange(400), 0, chunk_size=4, segments=25)  # segments of 4 pieces
+    buf = _buffer(plan, 100)
+    buf.join("a")
+    for _ in range(7):
+        buf.reserve(PIECE)
+    for g in range(5):
+        buf.mark_ready(g, 1)
+        buf.fetched("a", g, 4)
+    buf.leave("a")  # pieces 5 and 6 still in flight
+    _, start = buf.join("b")
+    assert start == 8 and buf.head == 8 and buf.wanted()
+
+
+def test_a_stale_incarnation_cannot_consume_or_unregister_the_new_one():
+    plan = StreamPlan(np.arange(40), 0, chunk_size=4, segments=5)
+    buf = _buffer(plan, 10)
+    old, _ = buf.join("t")
+    new, _ = buf.join("t")  # a retry under the same id
+    assert old != new and buf.is_current("t", new) and not buf.is_current("t", old)
+    assert buf.leave("t", token=old) == [] and "t" in buf.consumers
+    assert buf.leave("t", token=new) == [] and "t" not in buf.consumers
 
 
 def test_budget_blocks_reservation_until_a_release():
@@ -125,7 +150,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, n=st.integers(1, 40), chunk=st.integers(1, 6), segments=st.integers(1, 6),
        budget=st.integers(1, 6), lookahead=st.integers(1, 4), seed=st.integers(0, 3))
 def test_exactly_once_and_freeing_under_random_schedules(ops, n, chunk, segments, budget, lookahead, seed):
@@ -140,7 +165,7 @@ def test_exactly_once_and_freeing_under_random_schedules(ops, n, chunk, segments
         if op == "join":
             if name in trials:
                 finished.append(trials.pop(name))  # a re-join (retry) starts a fresh consumer
-            start = buf.join(name)
+            _, start = buf.join(name)
             assert plan.is_join_point(start)
             trials[name] = _Trial(start, start)
         elif op == "leave" and name in trials:
@@ -162,6 +187,8 @@ def test_exactly_once_and_freeing_under_random_schedules(ops, n, chunk, segments
         assert buf.staged_bytes == sum(s.nbytes for s in buf.slots.values())
         assert buf.staged_bytes <= buf.budget_bytes or len(buf.slots) == 1
         assert buf.head <= max(buf.demand + buf.lookahead, max((t.start for t in trials.values()), default=0))
+        # Liveness: while anyone is registered, someone needs the head (else production stops for good).
+        assert not trials or any(t.start <= buf.head for t in trials.values())
         for tname, t in trials.items():  # nothing a current consumer has not read is gone
             for g in range(t.cursor, buf.head):
                 assert g in buf.slots and tname in buf.slots[g].waiting, (tname, g)
