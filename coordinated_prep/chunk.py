@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -21,32 +21,47 @@ class PreparedChunk(NamedTuple):
 
 
 class ChunkTiming(NamedTuple):
-    """Seconds spent per stage preparing one piece."""
+    """Seconds spent per stage preparing one piece, and the samples left out of it."""
 
     fetch_s: float  # reading encoded bytes
     transform_s: float  # decoding and augmenting
+    skipped: tuple[tuple[int, str, str], ...] = ()  # (index, path, reason) under on_error="skip"
 
 
 def prepare_chunk(
     source: DataSource, preprocessor: Preprocessor, seed: int, epoch: int, indices: np.ndarray, size: int,
+    on_error: Literal["raise", "skip"] = "raise",
 ) -> tuple[PreparedChunk, ChunkTiming]:
     """Read, decode and augment the samples ``indices`` for stream epoch ``epoch``.
 
+    With ``on_error="skip"`` a sample that cannot be read or decoded is left out of the piece (so
+    every trial reading the piece leaves it out alike) and reported in the timing's ``skipped``.
+
     Raises:
-        SampleError: A sample's file cannot be read or decoded; names the index and the file.
+        SampleError: With ``on_error="raise"``, a sample's file cannot be read or decoded; names the
+            index and the file.
     """
     images = np.empty((len(indices), 3, size, size), dtype=np.uint8)
+    kept: list[int] = []
+    skipped: list[tuple[int, str, str]] = []
     fetch_s = transform_s = 0.0
-    for i, index in enumerate(indices.tolist()):
+    for index in indices.tolist():
         t0 = time.perf_counter()
-        data = source.read(index)
-        t1 = time.perf_counter()
         try:
-            images[i] = preprocessor.train(data, seed, epoch, index)
-        except Exception as e:  # decoders raise RuntimeError/ValueError/OSError: name the file
-            raise SampleError(index, source.describe(index), f"cannot decode or transform: {e}") from e
+            data = source.read(index)
+            t1 = time.perf_counter()
+            try:
+                images[len(kept)] = preprocessor.train(data, seed, epoch, index)
+            except Exception as e:  # decoders raise RuntimeError/ValueError/OSError: name the file
+                raise SampleError(index, source.describe(index), f"cannot decode or transform: {e}") from e
+        except SampleError as e:
+            if on_error == "raise":
+                raise
+            skipped.append((e.index, e.path, e.reason))
+            continue
+        kept.append(index)
         transform_s += time.perf_counter() - t1
         fetch_s += t1 - t0
-    labels = source.labels[indices]
-    chunk = PreparedChunk(images, labels, np.asarray(indices, dtype=np.int64), epoch)
-    return chunk, ChunkTiming(fetch_s, transform_s)
+    ids = np.asarray(kept, dtype=np.int64)
+    chunk = PreparedChunk(images[: len(kept)], source.labels[ids], ids, epoch)
+    return chunk, ChunkTiming(fetch_s, transform_s, tuple(skipped))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import ray
@@ -71,13 +72,16 @@ class Coordinator:
         self.changed = asyncio.Condition()
         self.closed = False
         self.fatal: BaseException | None = None  # an unexpected producer failure, re-raised to every trial
+        self.blocked_since: float | None = None  # when the byte budget started to block production
+        self.evicted: dict[str, int] = {}  # trial -> token of the incarnation the lease detached
+        self.skipped: set[int] = set()  # samples left out under on_error="skip" (bounded by the dataset)
         self.producer: asyncio.Task | None = None
         self.settling: set[asyncio.Task] = set()  # strong references: asyncio keeps only weak ones
         self.stats: dict[str, Any] = {
             "group": spec.group_key, "coordinator": name, "prep_actors": n_actors, "budget_bytes": budget, "lookahead": lookahead,
             "samples_per_epoch": self.plan.samples_per_epoch, "chunks_per_epoch": self.plan.chunks_per_epoch,
             "pieces_prepared": 0, "samples_prepared": 0, "samples_served": 0, "pieces_failed": 0,
-            "fetch_s": 0.0, "transform_s": 0.0, "trials_joined": 0,
+            "fetch_s": 0.0, "transform_s": 0.0, "trials_joined": 0, "evictions": 0, "samples_skipped": 0,
         }
 
     # -- trial-facing API -------------------------------------------------------------------
@@ -88,22 +92,26 @@ class Coordinator:
         if self.producer is None:  # created here because __init__ runs outside the event loop
             self.producer = asyncio.get_running_loop().create_task(self._produce())
         token, start = self.buffer.join(trial)
+        self.evicted.pop(trial, None)
         self.stats["trials_joined"] += 1
         logger.info("trial %s joined group %s at piece %d", trial, self.spec.group_key, start)
         await self._notify()
         return {"token": token, "start": start, "chunks_per_epoch": self.plan.chunks_per_epoch,
                 "samples_per_epoch": self.plan.samples_per_epoch, "name": self.name}
 
-    async def fetch(self, trial: str, token: int, g: int, timeout_s: float) -> list[ray.ObjectRef]:
+    async def fetch(self, trial: str, token: int, g: int, timeout_s: float) -> dict[str, Any]:
         """Wait (at most ``timeout_s``) for piece ``g`` and hand ``trial`` (incarnation ``token``) a reference.
 
-        Returns the reference inside a list so that Ray passes the reference, not the data; the
-        trial becomes a borrower and reads the piece zero-copy from the object store. Returns an
-        empty list if the trial left or the group shut down meanwhile: such an answer usually
-        belongs to a prefetch the trial will never read, and the trial raises if it does.
+        Returns ``{"status": "ok", "ref": ref}``: Ray passes the nested reference, not the data;
+        the trial becomes a borrower and reads the piece zero-copy from the object store. Otherwise
+        ``"evicted"`` (the lease detached this trial: it must prepare its own pieces from ``g`` on)
+        or ``"gone"`` (it left, re-joined since, or the group shut down). Neither is an error here:
+        such answers usually belong to prefetches the trial will never read.
         """
+        if self.evicted.get(trial) == token:
+            return {"status": "evicted"}
         if self.closed or not self.buffer.is_current(trial, token):
-            return []  # left, re-joined since (a stale request of an earlier incarnation), or shut down
+            return {"status": "gone"}
         if not self.buffer.needs(trial, g):
             raise PrepError(f"trial {trial}: piece {g} is not one it may fetch from {self.name} "
                             "(before its start, or fetched already)")
@@ -121,20 +129,25 @@ class Coordinator:
         if self.fatal is not None:
             raise PrepError(f"trial {trial}: coordinator {self.name} failed: {self.fatal!r}")
         slot = self.buffer.slots.get(g)
+        if self.evicted.get(trial) == token:
+            return {"status": "evicted"}
         if self.closed or not self.buffer.is_current(trial, token) or slot is None:
-            return []
-        n = self.plan.chunk_len(g)
-        self.buffer.fetched(trial, g, n)
-        await self._notify()  # a release may let the producer go on
-        if slot.state is SlotState.READY:
-            self.stats["samples_served"] += n
-        else:
+            return {"status": "gone"}
+        if slot.state is SlotState.FAILED:
+            self.buffer.fetched(trial, g, 0)
+            await self._notify()  # a release may let the producer go on
             raise PrepError(f"trial {trial}: preparing piece {g} (epoch {self.plan.locate(g)[0]}) failed: {slot.payload}")
-        return [slot.payload]
+        ref, n = slot.payload
+        self.buffer.fetched(trial, g, n)
+        self.stats["samples_served"] += n
+        await self._notify()
+        return {"status": "ok", "ref": ref}
 
     async def leave(self, trial: str, token: int | None = None) -> None:
         """Unregister ``trial`` (only incarnation ``token`` if given); pieces only it still needed are freed."""
         released = self.buffer.leave(trial, token)
+        if token is None or self.evicted.get(trial) == token:
+            self.evicted.pop(trial, None)
         if released:
             logger.info("trial %s left group %s; freed %d pieces", trial, self.spec.group_key, len(released))
         await self._notify()
@@ -170,30 +183,66 @@ class Coordinator:
             await self._notify()
 
     async def _produce_loop(self) -> None:
-        while not self.closed:
-            async with self.changed:
-                # Woken on every state change; the timeout is only a liveness re-check.
-                try:
-                    await asyncio.wait_for(self.changed.wait_for(self._can_produce), _PRODUCER_CHECK_S)
-                except asyncio.TimeoutError:
-                    continue
-            if self.closed:
+        while True:
+            state = self._producer_state()
+            if state == "closed":
                 return
-            g = self.buffer.head
-            slot = self.buffer.reserve(self.plan.chunk_len(g) * self.spec.pipeline.sample_bytes)  # type: ignore[union-attr]
-            epoch, _ = self.plan.locate(g)
-            actor = self.actors[g % len(self.actors)]
-            timing_ref, chunk_ref = actor.prepare.options(num_returns=2).remote(epoch, self.plan.chunk_samples(g))
-            self.in_flight += 1
-            task = asyncio.get_running_loop().create_task(self._settle(slot.g, timing_ref, chunk_ref))
-            self.settling.add(task)
-            task.add_done_callback(self.settling.discard)
+            if state == "go":
+                self.blocked_since = None
+                self._reserve_and_submit()
+                continue
+            if state == "blocked" and self.blocked_since is None:
+                self.blocked_since = time.monotonic()
+            elif state == "idle":
+                self.blocked_since = None  # not the budget's fault: nobody waits on a laggard
+            async with self.changed:
+                # Wait for the state to change; the timeout is the lease while the budget blocks,
+                # and otherwise a periodic liveness re-check.
+                try:
+                    await asyncio.wait_for(self.changed.wait_for(lambda: self._producer_state() != state),
+                                           self._wait_s())
+                except asyncio.TimeoutError:
+                    self._enforce_lease()
 
-    def _can_produce(self) -> bool:
+    def _producer_state(self) -> str:
+        """``go`` (reserve the head now), ``idle`` (nothing wanted or enough in flight), ``blocked``
+        (wanted, but the byte budget is full) or ``closed``."""
         if self.closed:
-            return True
+            return "closed"
+        if not (self.in_flight < self.max_in_flight and self.buffer.wanted()):
+            return "idle"
         nbytes = self.plan.chunk_len(self.buffer.head) * self.spec.pipeline.sample_bytes  # type: ignore[union-attr]
-        return self.in_flight < self.max_in_flight and self.buffer.wanted() and self.buffer.fits(nbytes)
+        return "go" if self.buffer.fits(nbytes) else "blocked"
+
+    def _reserve_and_submit(self) -> None:
+        g = self.buffer.head
+        slot = self.buffer.reserve(self.plan.chunk_len(g) * self.spec.pipeline.sample_bytes)  # type: ignore[union-attr]
+        epoch, _ = self.plan.locate(g)
+        actor = self.actors[g % len(self.actors)]
+        timing_ref, chunk_ref = actor.prepare.options(num_returns=2).remote(epoch, self.plan.chunk_samples(g))
+        self.in_flight += 1
+        task = asyncio.get_running_loop().create_task(self._settle(slot.g, timing_ref, chunk_ref))
+        self.settling.add(task)
+        task.add_done_callback(self.settling.discard)
+
+    def _wait_s(self) -> float:
+        if self.blocked_since is None:
+            return _PRODUCER_CHECK_S
+        return max(0.01, self.spec.lease_s - (time.monotonic() - self.blocked_since))
+
+    def _enforce_lease(self) -> None:
+        """Detach the trials holding the oldest piece once the budget has blocked production for the lease."""
+        if self.blocked_since is None or time.monotonic() - self.blocked_since < self.spec.lease_s:
+            return
+        for trial in sorted(self.buffer.laggards()):
+            token = self.buffer.consumers[trial].token
+            self.buffer.leave(trial, token)
+            self.evicted[trial] = token
+            self.stats["evictions"] += 1
+            logger.warning("group %s: trial %s held the staging budget for %.0fs (dead or straggling); it now "
+                           "prepares its own pieces", self.spec.group_key, trial, self.spec.lease_s)
+        self.blocked_since = None
+        self.changed.notify_all()  # we hold the condition's lock here
 
     async def _settle(self, g: int, timing_ref: ray.ObjectRef, chunk_ref: ray.ObjectRef) -> None:
         try:
@@ -205,9 +254,14 @@ class Coordinator:
             logger.warning("group %s: piece %d failed: %s", self.spec.group_key, g, _root_cause(e))
         else:
             if g in self.buffer.slots:  # absent only after close()
-                self.buffer.mark_ready(g, chunk_ref)
+                self.buffer.mark_ready(g, (chunk_ref, self.plan.chunk_len(g) - len(timing.skipped)))
             self.stats["pieces_prepared"] += 1
-            self.stats["samples_prepared"] += self.plan.chunk_len(g)
+            self.stats["samples_prepared"] += self.plan.chunk_len(g) - len(timing.skipped)
+            for index, path, reason in timing.skipped:
+                if index not in self.skipped:  # logged once per sample, whatever the epoch
+                    self.skipped.add(index)
+                    logger.warning("group %s: skipping sample %d (%s): %s", self.spec.group_key, index, path, reason)
+            self.stats["samples_skipped"] = len(self.skipped)
             self.stats["fetch_s"] += timing.fetch_s
             self.stats["transform_s"] += timing.transform_s
         finally:

@@ -77,6 +77,11 @@ class TrainLoader:
         return self._stream.start
 
     @property
+    def private_samples(self) -> int:
+        """Samples this trial prepared itself (all of them unshared; after a lease detachment otherwise)."""
+        return self._stream.private_samples
+
+    @property
     def coordinator(self) -> str | None:
         """Actor name of the coordinator serving this trial (None when unshared)."""
         return self._stream.coordinator

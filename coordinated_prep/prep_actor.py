@@ -36,6 +36,7 @@ class PrepActor:
         """Prepare one piece. Returns (timing, piece) as two objects: the coordinator awaits the
         small first one and never pulls the images into its own process."""
         chunk, timing = prepare_chunk(
-            self._source, self._preprocessor, self._spec.seed, epoch, indices, self._spec.pipeline.size  # type: ignore[union-attr]
+            self._source, self._preprocessor, self._spec.seed, epoch, indices,
+            self._spec.pipeline.size, self._spec.on_error,  # type: ignore[union-attr]
         )
         return timing, chunk

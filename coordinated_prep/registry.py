@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 _CALL_TIMEOUT_S = 30.0
 _KEPT_INCARNATIONS = 50  # per group, the most recent coordinators' own counters kept in reports
 _SUMMED = ("samples_prepared", "samples_served", "pieces_prepared", "pieces_failed", "trials_joined",
-           "fetch_s", "transform_s")
+           "fetch_s", "transform_s", "evictions")
 
 
 @dataclass
@@ -121,5 +121,6 @@ def _merge(reports: dict[str, dict[str, Any]], key: str, live: dict[str, Any], s
     for k in _SUMMED:
         acc[k] += live.get(k, 0)
     acc["peak_staged_bytes"] = max(acc["peak_staged_bytes"], live.get("peak_staged_bytes", 0))
+    acc["samples_skipped"] = max(acc.get("samples_skipped", 0), live.get("samples_skipped", 0))
     for k in ("budget_bytes", "prep_actors", "samples_per_epoch"):
         acc[k] = live.get(k)

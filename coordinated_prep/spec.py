@@ -12,6 +12,7 @@ from typing import Any, Literal, Mapping
 from coordinated_prep.errors import ConfigError
 
 Backend = Literal["torchvision"]
+OnError = Literal["raise", "skip"]
 BACKENDS: tuple[str, ...] = ("torchvision",)
 BUILTIN_PREFIX = "builtin:"
 
@@ -105,6 +106,12 @@ class DataSpec:
         lookahead: Pieces prepared beyond the furthest piece any trial asked for; ``None`` picks
             ``max(8, 4 x prep_actors)``.
         fetch_timeout_s: How long a trial waits for one piece before failing with an error.
+        on_error: What a broken sample (unreadable, truncated, not an image) does: ``raise`` fails
+            the trials that read it, naming the file and index; ``skip`` leaves it out for every
+            trial of the group alike, logged once with its path and counted in the summary.
+        lease_s: Longest time production waits for the trials holding the oldest staged piece
+            when the byte budget is full; after it those trials (dead, or stragglers) are detached
+            and prepare their own pieces from then on, byte-identical and still exact per epoch.
     """
 
     dataset: str = "builtin:shapes"
@@ -119,6 +126,8 @@ class DataSpec:
     staging_bytes: int | None = None
     lookahead: int | None = None
     fetch_timeout_s: float = 300.0
+    lease_s: float = 30.0
+    on_error: OnError = "raise"
 
     def __post_init__(self) -> None:
         if isinstance(self.pipeline, Mapping):
@@ -147,8 +156,12 @@ class DataSpec:
                 )
         if self.lookahead is not None:
             _check_int("data.lookahead", self.lookahead, 1)
-        if not isinstance(self.fetch_timeout_s, (int, float)) or self.fetch_timeout_s <= 0:
-            raise ConfigError(f"data.fetch_timeout_s={self.fetch_timeout_s!r} must be a positive number of seconds")
+        if self.on_error not in ("raise", "skip"):
+            raise ConfigError(f"data.on_error={self.on_error!r} must be 'raise' or 'skip'")
+        for name in ("fetch_timeout_s", "lease_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"data.{name}={value!r} must be a positive number of seconds")
 
     def __repr__(self) -> str:  # only what differs from the defaults: Tune prints configs in tables
         changed = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)

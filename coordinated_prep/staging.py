@@ -131,6 +131,12 @@ class StagingBuffer:
         """Whether some registered trial needs the head piece, and it is within the lookahead."""
         return self.head < self.demand + self.lookahead and any(c.start <= self.head for c in self.consumers.values())
 
+    def laggards(self) -> set[str]:
+        """The trials that still have to fetch the oldest staged piece (the ones holding the window)."""
+        if not self.slots:
+            return set()
+        return set(self.slots[min(self.slots)].waiting)
+
     def request(self, g: int) -> None:
         """A consumer asked for piece ``g``: production may run ``lookahead`` pieces past it."""
         self.demand = max(self.demand, g + 1)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import collections
-from typing import Protocol
+import logging
+from typing import Any, Protocol
 
 import ray
 
@@ -15,6 +16,8 @@ from coordinated_prep.plan import StreamPlan, holdout_split
 from coordinated_prep.sources import open_source
 from coordinated_prep.spec import DataSpec
 
+logger = logging.getLogger(__name__)
+
 
 class PieceStream(Protocol):
     """An endless, in-order stream of prepared pieces, starting at ``start``."""
@@ -23,6 +26,7 @@ class PieceStream(Protocol):
     chunks_per_epoch: int
     samples_per_epoch: int
     coordinator: str | None  # name of the coordinator serving it; None when private
+    private_samples: int  # samples this process prepared itself
 
     @property
     def position(self) -> int:
@@ -45,11 +49,11 @@ class PieceStream(Protocol):
 class PrivateStream:
     """Prepares every piece in the trial's own process: the unshared baseline.
 
-    It walks the same plan from piece 0 with the same preparation function as the prep actors,
-    so its bytes equal those of a shared trial that started at piece 0.
+    It walks the same plan from piece ``first`` with the same preparation function as the prep
+    actors, so its bytes equal those of a shared trial reading the same pieces.
     """
 
-    def __init__(self, spec: DataSpec) -> None:
+    def __init__(self, spec: DataSpec, first: int = 0) -> None:
         self._spec = spec
         self._source = open_source(spec.dataset)
         self._preprocessor = make_preprocessor(spec.pipeline)  # type: ignore[arg-type]
@@ -59,7 +63,8 @@ class PrivateStream:
         self.coordinator = None
         self.chunks_per_epoch = self._plan.chunks_per_epoch
         self.samples_per_epoch = self._plan.samples_per_epoch
-        self._next = 0
+        self.private_samples = 0
+        self._next = first
 
     @property
     def position(self) -> int:
@@ -73,8 +78,9 @@ class PrivateStream:
         epoch, _ = self._plan.locate(g)
         chunk, _ = prepare_chunk(
             self._source, self._preprocessor, self._spec.seed, epoch,
-            self._plan.chunk_samples(g), self._spec.pipeline.size,  # type: ignore[union-attr]
+            self._plan.chunk_samples(g), self._spec.pipeline.size, self._spec.on_error,  # type: ignore[union-attr]
         )
+        self.private_samples += len(chunk.labels)
         return chunk
 
     def close(self) -> None:
@@ -92,7 +98,9 @@ class SharedStream:
     """
 
     def __init__(self, spec: DataSpec, session: str, trial: str, prefetch: int) -> None:
+        self._spec = spec
         self._trial = trial
+        self._fallback: PrivateStream | None = None  # set when the lease detaches this trial
         self._timeout = spec.fetch_timeout_s
         try:
             registry = ray.get_actor(registry_name(session), namespace=NAMESPACE)
@@ -115,24 +123,42 @@ class SharedStream:
 
     @property
     def position(self) -> int:
+        if self._fallback is not None:
+            return self._fallback.position
         return self._pending[0][0] if self._pending else self._next
 
+    @property
+    def private_samples(self) -> int:
+        return self._fallback.private_samples if self._fallback is not None else 0
+
     def next_piece(self) -> PreparedChunk:
-        g, piece_ref = self._take()
-        return self._call(piece_ref, f"reading piece {g}")
+        g, answer = self._answer()
+        if answer is None:
+            return self._fallback.next_piece()  # type: ignore[union-attr]
+        return self._call(answer["ref"], f"reading piece {g}")
 
     def skip(self) -> None:
-        self._take()
+        if self._answer()[1] is None:
+            self._fallback.skip()  # type: ignore[union-attr]
 
-    def _take(self) -> tuple[int, ray.ObjectRef]:
+    def _answer(self) -> tuple[int, dict[str, Any] | None]:
+        """The coordinator's answer for the next piece; None once this trial prepares its own."""
+        if self._fallback is not None:
+            return self._fallback.position, None
         while len(self._pending) < self._prefetch:  # bounded: at most `prefetch` requests in flight
             g, self._next = self._next, self._next + 1
             self._pending.append((g, self._coordinator.fetch.remote(self._trial, self._token, g, self._timeout)))
         g, ref = self._pending.popleft()
         answer = self._call(ref, f"waiting for piece {g}", self._timeout + 30)
-        if not answer:
+        if answer["status"] == "evicted":
+            logger.warning("trial %s: detached from %s after the lease (it held the staging budget); preparing "
+                           "its own pieces from piece %d on", self._trial, self.coordinator, g)
+            self._pending.clear()
+            self._fallback = PrivateStream(self._spec, first=g)
+            return g, None
+        if answer["status"] != "ok":
             raise PrepError(f"trial {self._trial}: its data group ended or dropped it while it waited for piece {g}")
-        return g, answer[0]
+        return g, answer
 
     def close(self) -> None:
         """Leave the group (idempotent); pieces only this trial still needed are freed."""

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import math
 from typing import Iterable, Sequence
 
 import numpy as np
+
+from coordinated_prep import DataSpec
+from coordinated_prep.backends import make_preprocessor
+from coordinated_prep.chunk import prepare_chunk
+from coordinated_prep.plan import holdout_split
+from coordinated_prep.sources import open_source
 
 
 def assert_exactly_once(epochs: Sequence[np.ndarray], expected: Iterable[int], who: str = "trial") -> None:
@@ -20,3 +28,36 @@ def assert_exactly_once(epochs: Sequence[np.ndarray], expected: Iterable[int], w
                 f"{who} epoch {k}: {len(got)} samples for {len(want)} expected; "
                 f"duplicates {dup[:10].tolist()}, missing {missing[:10].tolist()}"
             )
+
+
+def sample_digests(images: np.ndarray) -> np.ndarray:
+    """A 64-bit digest of each sample's bytes."""
+    return np.array([int.from_bytes(hashlib.blake2b(img.tobytes(), digest_size=8).digest(), "little")
+                     for img in images], dtype=np.uint64)
+
+
+def train_ids(spec: DataSpec) -> np.ndarray:
+    return holdout_split(len(open_source(spec.dataset)), spec.holdout)[0]
+
+
+def reference_digests(spec: DataSpec, epochs: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """What the unshared pipeline makes of each (stream epoch, index), computed in this process."""
+    source, prep = open_source(spec.dataset), make_preprocessor(spec.pipeline)
+    out = np.empty(len(indices), dtype=np.uint64)
+    for e in np.unique(epochs):
+        sel = epochs == e
+        chunk, _ = prepare_chunk(source, prep, spec.seed, int(e), indices[sel], spec.pipeline.size)
+        out[sel] = sample_digests(chunk.images)
+    return out
+
+
+def check_trial_records(spec: DataSpec, epochs: list[dict], batch_size: int, who: str) -> None:
+    """A trial's recorded epochs: exactly once each, batches of its size, bytes of the unshared pipeline."""
+    ids = train_ids(spec)
+    assert_exactly_once([e["indices"] for e in epochs], ids, who)
+    for e in epochs:
+        sizes = e["batch_sizes"]
+        assert (sizes[:-1] == batch_size).all() and 0 < sizes[-1] <= batch_size, (who, sizes)
+        assert len(sizes) == math.ceil(len(ids) / batch_size)
+        want = reference_digests(spec, e["stream_epochs"], e["indices"])
+        assert np.array_equal(e["digests"], want), f"{who}: bytes differ from the unshared pipeline"

@@ -2,33 +2,68 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
+import signal
+import time
 
 import numpy as np
 from ray import tune
 
 from coordinated_prep import train_loader
+from tests.harness import sample_digests
 
 
-def sample_digests(images: np.ndarray) -> np.ndarray:
-    """A 64-bit digest of each sample's bytes."""
-    return np.array([int.from_bytes(hashlib.blake2b(img.tobytes(), digest_size=8).digest(), "little")
-                     for img in images], dtype=np.uint64)
+def pids_titled(prefix: str) -> list[int]:
+    """Processes whose title (Ray names its workers ``ray::<Actor>...``) starts with ``prefix``."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        if title.startswith(prefix):
+            pids.append(int(pid))
+    return pids
+
+
+def _inject(config: dict, epoch: int, step: int) -> None:
+    """Fault injection at a deterministic point: after ``fault_step`` batches of epoch 0."""
+    fault = config.get("fault")
+    if not fault or epoch != 0 or step != config.get("fault_step", 2):
+        return
+    if fault == "kill_self":
+        marker = os.path.join(config["out"], "killed-once")
+        if not os.path.exists(marker):  # only the first attempt dies; Tune's retry goes on
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+    elif fault in ("kill_prep", "kill_coordinator"):
+        title = "ray::PrepActor" if fault == "kill_prep" else "ray::Coordinator"
+        victims = pids_titled(title)
+        assert victims, f"no process titled {title}"
+        os.kill(victims[0], signal.SIGKILL)
 
 
 def record(config: dict) -> None:
-    """Iterate ``epochs`` epochs; save per epoch: indices, stream epochs, digests, batch sizes."""
+    """Iterate ``epochs`` epochs; save per epoch: indices, stream epochs, digests, batch sizes.
+
+    Optional: ``delay_s`` per batch (a slow trial's compute step), ``fault`` to inject (see _inject).
+    """
     out = os.path.join(config["out"], tune.get_context().get_trial_id())
     os.makedirs(out, exist_ok=True)
     loader = train_loader(config, batch_size=config["batch_size"])
     for epoch in range(config["epochs"]):
-        parts = [(b.indices.numpy(), b.stream_epochs.numpy(), sample_digests(b.images.numpy()), len(b))
-                 for b in loader]
+        parts = []
+        for step, b in enumerate(loader):
+            parts.append((b.indices.numpy(), b.stream_epochs.numpy(), sample_digests(b.images.numpy()), len(b)))
+            _inject(config, epoch, step)
+            if config.get("delay_s"):
+                time.sleep(config["delay_s"])  # stands for a slow compute step, not for synchronisation
         np.savez(os.path.join(out, f"epoch{epoch}.npz"),
                  indices=np.concatenate([p[0] for p in parts]), stream_epochs=np.concatenate([p[1] for p in parts]),
                  digests=np.concatenate([p[2] for p in parts]), batch_sizes=np.array([p[3] for p in parts]),
-                 start=loader.start_piece, coordinator=str(loader.coordinator))
+                 start=loader.start_piece, coordinator=str(loader.coordinator),
+                 private_samples=loader.private_samples)
         tune.report({"epoch": epoch + 1, "score": float(config.get("score", 0.0)) * (epoch + 1)})
 
 
@@ -36,6 +71,8 @@ def load_records(out: str) -> dict[str, list[dict[str, np.ndarray]]]:
     """Per trial id: the saved epochs in order."""
     records = {}
     for trial in sorted(os.listdir(out)):
+        if not os.path.isdir(os.path.join(out, trial)):
+            continue
         files = sorted(f for f in os.listdir(os.path.join(out, trial)) if f.endswith(".npz"))
         files.sort(key=lambda f: int(f[5:-4]))
         records[trial] = [dict(np.load(os.path.join(out, trial, f))) for f in files]

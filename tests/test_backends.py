@@ -54,3 +54,17 @@ def test_a_corrupt_file_names_its_index_and_path(tmp_path):
         f.truncate(40)
     with pytest.raises(SampleError, match=r"sample 1 \(.*img_001.jpg\): cannot decode"):
         prepare_chunk(source, make_preprocessor(PipelineSpec(size=16)), 0, 0, np.array([0, 1]), 16)
+
+
+def test_skip_policy_leaves_the_broken_sample_out_and_reports_it(tmp_path):
+    root = make_imagefolder(str(tmp_path), classes=1, per_class=3, png_every=99)
+    source = ImageFolderSource(root)
+    with open(source.paths[1], "r+b") as f:
+        f.truncate(40)
+    prep = make_preprocessor(PipelineSpec(size=16))
+    chunk, timing = prepare_chunk(source, prep, 0, 0, np.array([0, 1, 2]), 16, on_error="skip")
+    assert chunk.indices.tolist() == [0, 2] and chunk.images.shape[0] == 2 and chunk.labels.shape == (2,)
+    [(index, path, reason)] = timing.skipped
+    assert index == 1 and path == source.paths[1] and "cannot decode" in reason
+    full, _ = prepare_chunk(source, prep, 0, 0, np.array([0, 2]), 16)
+    assert np.array_equal(full.images, chunk.images), "skipping one sample does not change the others"

@@ -92,6 +92,20 @@ def test_lookahead_bounds_production_past_the_furthest_request():
     assert buf.wanted() and buf.reserve(PIECE).g == 3 and not buf.wanted()
 
 
+def test_laggards_are_the_trials_holding_the_oldest_piece():
+    plan = StreamPlan(np.arange(40), 0, chunk_size=4, segments=5)
+    buf = _buffer(plan, 2)
+    buf.join("fast")
+    buf.join("slow")
+    assert buf.laggards() == set()
+    for g in range(2):
+        buf.mark_ready(buf.reserve(PIECE).g, g)
+        buf.fetched("fast", g, 4)
+    assert not buf.fits(PIECE) and buf.laggards() == {"slow"}
+    buf.leave("slow")  # what the coordinator does when the lease runs out
+    assert buf.fits(PIECE) and not buf.slots
+
+
 def test_one_piece_larger_than_the_budget_still_flows():
     plan = StreamPlan(np.arange(8), 0, chunk_size=4, segments=1)
     buf = StagingBuffer(10, plan.next_join_point)

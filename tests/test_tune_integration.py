@@ -10,13 +10,11 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler
 
 from coordinated_prep import CoordinatedSearcher, DataSpec, train_loader
-from coordinated_prep.backends import make_preprocessor
-from coordinated_prep.chunk import prepare_chunk
-from coordinated_prep.plan import holdout_split
 from coordinated_prep.sources import open_source
 from tests.conftest import live_coordprep_actors, plasma_objects
-from tests.harness import assert_exactly_once
-from tests.recording import load_records, record, sample_digests
+from tests.harness import check_trial_records as _check_trial
+from tests.harness import sample_digests
+from tests.recording import load_records, record
 
 EPOCHS = 3
 LOOKAHEAD = 2
@@ -27,32 +25,6 @@ def _spec(dataset: str, **overrides) -> DataSpec:
                   prep_actors=2, lookahead=LOOKAHEAD)
     values.update(overrides)
     return DataSpec(**values)
-
-
-def _train_ids(spec: DataSpec) -> np.ndarray:
-    return holdout_split(len(open_source(spec.dataset)), spec.holdout)[0]
-
-
-def _reference_digests(spec: DataSpec, epochs: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    """What the unshared pipeline makes of each (stream epoch, index), computed in this process."""
-    source, prep = open_source(spec.dataset), make_preprocessor(spec.pipeline)
-    out = np.empty(len(indices), dtype=np.uint64)
-    for e in np.unique(epochs):
-        sel = epochs == e
-        chunk, _ = prepare_chunk(source, prep, spec.seed, int(e), indices[sel], spec.pipeline.size)
-        out[sel] = sample_digests(chunk.images)
-    return out
-
-
-def _check_trial(spec: DataSpec, epochs: list[dict], batch_size: int, who: str) -> None:
-    ids = _train_ids(spec)
-    assert_exactly_once([e["indices"] for e in epochs], ids, who)
-    for e in epochs:
-        sizes = e["batch_sizes"]
-        assert (sizes[:-1] == batch_size).all() and 0 < sizes[-1] <= batch_size, (who, sizes)
-        assert len(sizes) == math.ceil(len(ids) / batch_size)
-        want = _reference_digests(spec, e["stream_epochs"], e["indices"])
-        assert np.array_equal(e["digests"], want), f"{who}: bytes differ from the unshared pipeline"
 
 
 def test_concurrent_trials_of_different_batch_sizes_share_one_pipeline(ray_session, small_dataset, tmp_path):

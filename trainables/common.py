@@ -27,7 +27,8 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
     Config keys: ``data`` (a DataSpec), ``lr``, ``batch_size``, ``epochs``; optional ``momentum``
     (0.9), ``weight_decay`` (5e-4), ``torch_threads`` (1), ``eval_batch_size`` (256).
     Reports ``epoch``, ``loss`` and ``accuracy`` on the held-out split, ``train_loss``,
-    ``data_wait_s``, ``compute_s`` and ``stall_fraction`` (share of the epoch spent waiting for data).
+    ``data_wait_s``, ``compute_s``, ``stall_fraction`` (share of the epoch spent waiting for data) and
+    ``private_samples`` (samples the trial prepared itself so far).
     """
     if report is None:
         from ray import tune
@@ -68,7 +69,7 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
                 compute += time.perf_counter() - t1
             eval_loss, accuracy = evaluate(model, config, device, loss_fn)
             report({"epoch": epoch + 1, "loss": eval_loss, "accuracy": accuracy, "train_loss": train_loss / max(seen, 1),
-                    "samples": seen, "data_wait_s": wait, "compute_s": compute,
+                    "samples": seen, "private_samples": loader.private_samples, "data_wait_s": wait, "compute_s": compute,
                     "stall_fraction": wait / max(wait + compute, 1e-9)})
 
 

@@ -64,5 +64,6 @@ def _trial_row(result: Any, metric: str) -> dict[str, Any]:
         "error": str(result.error).splitlines()[0] if result.error else None,
         "epochs": m.get("epoch"), metric: m.get(metric), "stall_fraction": m.get("stall_fraction"),
         "data_wait_s": m.get("data_wait_s"), "compute_s": m.get("compute_s"),
+        "private_samples": m.get("private_samples"),
         "batch_size": config.get("batch_size"), "config": config,
     }

@@ -42,19 +42,19 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         lines.append(f"Best trial: none reported {metric}")
     lines.append("")
     lines.append(_table(
-        ["trial", "status", "epochs", metric, "stall", "batch"],
+        ["trial", "status", "epochs", metric, "stall", "batch", "own prep"],
         [[t["trial"], t["status"], t.get("epochs", ""), _num(t.get(metric)), _num(t.get("stall_fraction")),
-          t.get("batch_size", "")] for t in summary["trials"]],
+          t.get("batch_size", ""), t.get("private_samples", "-")] for t in summary["trials"]],
     ))
     lines.append("")
     rows = []
     for key, g in summary["groups"].items():
         rows.append([key, g.get("dataset"), g.get("samples_prepared"), g.get("samples_served"),
                      _num(g.get("saving"), "{:.2f}x"), _num(g.get("peak_staged_bytes", 0) / 2**20, "{:.1f}"),
-                     _num(g.get("fetch_s"), "{:.1f}"), _num(g.get("transform_s"), "{:.1f}")])
+                     _num(g.get("fetch_s"), "{:.1f}"), _num(g.get("transform_s"), "{:.1f}"), g.get("evictions", 0)])
     if rows:
         lines.append(_table(["group", "dataset", "prepared", "served", "saving", "peak MiB", "fetch s",
-                             "decode+aug s"], rows))
+                             "decode+aug s", "detached"], rows))
     else:
         lines.append("No coordinated data groups (coordinated: false): every trial prepared its own data.")
     return "\n".join(lines)

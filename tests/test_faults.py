@@ -1,0 +1,105 @@
+"""Faults injected through real processes: the sweep goes on, nothing is lost, nothing hangs.
+
+Each test checks exact epochs for the trials that finish, the object store back to its baseline,
+and (through pytest-timeout) a bounded finish time.
+"""
+
+from __future__ import annotations
+
+from ray import tune
+
+from coordinated_prep import CoordinatedSearcher, DataSpec
+from tests.conftest import live_coordprep_actors, plasma_objects
+from coordinated_prep.sources import open_source
+from tests.harness import assert_exactly_once, check_trial_records, train_ids
+from tests.utils import make_imagefolder
+from tests.recording import load_records, pids_titled, record
+
+
+def _spec(dataset: str, **overrides) -> DataSpec:
+    values = dict(dataset=dataset, pipeline={"size": 32}, seed=9, chunk_size=8, segments=4, prep_actors=2,
+                  lookahead=2)
+    values.update(overrides)
+    return DataSpec(**values)
+
+
+def _run(config: dict, tmp_path, **kwargs):
+    searcher = CoordinatedSearcher()
+    analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), config={**config, "out": str(tmp_path)},
+                        search_alg=searcher, verbose=0, raise_on_failed_trial=False, **kwargs)
+    reports = searcher.group_reports()
+    searcher.close()
+    return analysis, reports
+
+
+def test_a_straggler_is_detached_after_the_lease_and_keeps_exact_epochs(ray_session, small_dataset, tmp_path):
+    baseline = plasma_objects()
+    spec = _spec(small_dataset, staging_bytes=2 * 8 * 3 * 32 * 32, lease_s=1.0)
+    # The slow trial starts first, so the fast one runs beside it all its life and fills the budget.
+    analysis, reports = _run({"data": spec, "batch_size": 8, "epochs": 2,
+                              "delay_s": tune.grid_search([0.6, 0.1])}, tmp_path)
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    [report] = reports.values()
+    assert report["evictions"] >= 1 and report["peak_staged_bytes"] <= spec.staging_bytes
+    delays = {t.trial_id: t.config["delay_s"] for t in analysis.trials}
+    for trial, epochs in load_records(str(tmp_path)).items():
+        check_trial_records(spec, epochs, 8, trial)
+        if delays[trial] > 0:
+            assert int(epochs[-1]["private_samples"]) > 0, "the straggler prepared its own pieces after the lease"
+    assert live_coordprep_actors() == [] and plasma_objects() == baseline
+
+
+def test_a_prep_actor_killed_mid_epoch_is_replaced_and_its_work_redone(ray_session, small_dataset, tmp_path):
+    baseline = plasma_objects()
+    spec = _spec(small_dataset)
+    analysis, reports = _run({"data": spec, "batch_size": 8, "epochs": 2,
+                              "fault": tune.grid_search(["kill_prep", None])}, tmp_path)
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    for trial, epochs in load_records(str(tmp_path)).items():
+        check_trial_records(spec, epochs, 8, trial)  # byte-identical: re-prepared pieces equal the originals
+    assert live_coordprep_actors() == [] and plasma_objects() == baseline
+
+
+def test_a_trial_killed_mid_epoch_is_retried_and_rejoins(ray_session, small_dataset, tmp_path):
+    baseline = plasma_objects()
+    spec = _spec(small_dataset, lease_s=2.0)
+    analysis, _ = _run({"data": spec, "batch_size": 8, "epochs": 2,
+                        "fault": tune.grid_search(["kill_self", None])}, tmp_path,
+                       max_failures=1)
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    assert (tmp_path / "killed-once").exists(), "the fault was injected"
+    for trial, epochs in load_records(str(tmp_path)).items():
+        check_trial_records(spec, epochs, 8, trial)
+    assert live_coordprep_actors() == [] and plasma_objects() == baseline
+
+
+def test_a_killed_coordinator_fails_every_trial_of_its_group_with_a_clear_error(ray_session, small_dataset, tmp_path):
+    baseline = plasma_objects()
+    spec = _spec(small_dataset)
+    analysis, _ = _run({"data": spec, "batch_size": 8, "epochs": 3, "delay_s": 0.05,
+                        "fault": tune.grid_search(["kill_coordinator", None])}, tmp_path)
+    assert [t.status for t in analysis.trials] == ["ERROR", "ERROR"]
+    for trial in analysis.trials:
+        message = open(trial.error_file).read()
+        assert f"trial {trial.trial_id}" in message and "coordinator died" in message, message
+    assert pids_titled("ray::Coordinator") == []
+    assert live_coordprep_actors() == [] and plasma_objects() == baseline
+
+
+def test_skip_policy_leaves_a_truncated_jpeg_out_for_every_trial(ray_session, tmp_path):
+    root = make_imagefolder(str(tmp_path / "data"), classes=2, per_class=20, png_every=99)
+    spec = _spec(root, holdout=0.0, on_error="skip")
+    victim = open_source(root).paths[5]
+    with open(victim, "r+b") as f:
+        f.truncate(60)
+    open_source.cache_clear()
+    baseline = plasma_objects()
+    analysis, reports = _run({"data": spec, "batch_size": 8, "epochs": 2, "score": tune.grid_search([1, 2])},
+                             tmp_path / "records")
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    [report] = reports.values()
+    assert report["samples_skipped"] == 1
+    expected = [i for i in train_ids(spec) if i != 5]
+    for trial, epochs in load_records(str(tmp_path / "records")).items():
+        assert_exactly_once([e["indices"] for e in epochs], expected, trial)
+    assert live_coordprep_actors() == [] and plasma_objects() == baseline
