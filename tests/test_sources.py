@@ -12,9 +12,10 @@ from coordinated_prep.sources import ImageFolderSource, open_source, shapes
 from tests.utils import make_imagefolder
 
 
-def test_index_and_labels_match_torchvision(tmp_path):
+def test_index_and_labels_match_torchvision(tmp_path, caplog):
     root = make_imagefolder(str(tmp_path), classes=4, per_class=7)
     ours = ImageFolderSource(root)
+    assert "ignoring 1 file(s) without an image extension" in caplog.text and "notes.txt" in caplog.text
     theirs = ImageFolder(root, is_valid_file=lambda p: p.lower().endswith((".jpg", ".jpeg", ".png")))
     assert ours.classes == tuple(theirs.classes)
     assert [(p, int(l)) for p, l in zip(ours.paths, ours.labels)] == theirs.samples

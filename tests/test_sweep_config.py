@@ -57,6 +57,9 @@ def test_a_good_file_parses_into_dataclasses(tmp_path):
     (("{type: asha, grace_period: 1}", "{type: hyperband}"), "scheduler must be a mapping with type one of"),
     (("num_samples: 2", "num_samples: 2\nnum_samples: 3"), "duplicate key 'num_samples'"),
     (("num_samples: 2", "num_samples: 2\nresources_per_trial: {cpu: -1}"), "resources_per_trial.cpu=-1"),
+    (("{choice: [16, 32]}", "{choice: [0, 32]}"), "search_space.batch_size: 0 must be an integer >= 1"),
+    (("epochs: 2", "epochs: 0.5"), "search_space.epochs: 0.5 must be an integer >= 1"),
+    (("  epochs: 2\n", ""), "search_space.epochs is required by trainable 'small_cnn'"),
 ])
 def test_mistakes_name_the_file_key_and_allowed_values(tmp_path, change, message):
     path = _write(tmp_path, GOOD.replace(*change))

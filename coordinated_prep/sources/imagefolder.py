@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
 
 from coordinated_prep.errors import DatasetError, SampleError
+
+logger = logging.getLogger(__name__)
 
 #: Extensions read as images (lower case); the same matching rule as torchvision's.
 IMAGE_EXTENSIONS: tuple[str, ...] = (".jpg", ".jpeg", ".png")
@@ -36,8 +39,9 @@ class ImageFolderSource:
             )
         paths: list[str] = []
         labels: list[int] = []
+        ignored: list[str] = []
         for label, name in enumerate(classes):
-            found = _images_under(os.path.join(self.root, name))
+            found = _images_under(os.path.join(self.root, name), ignored)
             if not found:
                 raise DatasetError(
                     f"dataset {self.root!r}: class folder {name!r} holds no images with extensions "
@@ -45,6 +49,9 @@ class ImageFolderSource:
                 )
             paths.extend(found)
             labels.extend([label] * len(found))
+        if ignored:  # as torchvision's ImageFolder does, but said out loud
+            logger.warning("dataset %s: ignoring %d file(s) without an image extension %s, e.g. %s",
+                           self.root, len(ignored), list(IMAGE_EXTENSIONS), ignored[0])
         self.classes: tuple[str, ...] = tuple(classes)
         self.paths: tuple[str, ...] = tuple(paths)
         self.labels = np.asarray(labels, dtype=np.int64)
@@ -66,10 +73,10 @@ class ImageFolderSource:
         return self.paths[index]
 
 
-def _images_under(folder: str) -> list[str]:
+def _images_under(folder: str, ignored: list[str]) -> list[str]:
     found: list[str] = []
     for dirpath, _, filenames in sorted(os.walk(folder, followlinks=True)):
         for name in sorted(filenames):
-            if name.lower().endswith(IMAGE_EXTENSIONS):
-                found.append(os.path.join(dirpath, name))
+            path = os.path.join(dirpath, name)
+            (found if name.lower().endswith(IMAGE_EXTENSIONS) else ignored).append(path)
     return found

@@ -39,6 +39,9 @@ DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint")
 TOP_KEYS = ("name", "storage_path", "trainable", "data", "search_space", "num_samples", "max_concurrent_trials",
             "resources_per_trial", "metric", "mode", "scheduler", "ray")
 SCHEDULER_KEYS = {"fifo": ("type",), "asha": ("type", "grace_period", "reduction_factor", "max_t")}
+#: What the registered trainables need of their search space: (integer?, lowest value, required?).
+TRAINABLE_KEYS = {"lr": (False, 0.0, True), "batch_size": (True, 1, True), "epochs": (True, 1, True),
+                  "width": (True, 1, False)}
 RAY_KEYS = ("num_cpus", "object_store_memory", "include_dashboard", "dashboard_host")
 
 
@@ -126,6 +129,8 @@ def _parse(path: str, raw: Any) -> SweepConfig:
         raise ConfigError("search_space.data: the data spec belongs under the top-level 'data' key")
     kwargs: dict[str, Any] = {"path": path, "trainable": trainable, "data": data,
                               "search_space": {k: _dimension(f"search_space.{k}", v) for k, v in space.items()}}
+    if ":" not in trainable:
+        _check_trainable_keys(kwargs["search_space"], trainable)
     for key, typ, what in (("name", str, "a name"), ("storage_path", str, "a directory"),
                            ("metric", str, "a reported metric name")):
         if key in raw:
@@ -197,6 +202,23 @@ def _dimension(where: str, value: Any) -> Any:
         if kind == "randint" and not all(isinstance(a, int) for a in args):
             raise ConfigError(f"{where}.randint={args!r} must be integers")
     return Dimension(kind, tuple(args))
+
+
+def _check_trainable_keys(space: Mapping[str, Any], trainable: str) -> None:
+    """Every value a registered trainable's key can take must be usable (batch_size 0 is not)."""
+    for key, (integer, low, required) in TRAINABLE_KEYS.items():
+        if key not in space:
+            if required:
+                raise ConfigError(f"search_space.{key} is required by trainable {trainable!r}")
+            continue
+        value = space[key]
+        values = list(value.args) if isinstance(value, Dimension) else [value]
+        kind = "an integer" if integer else "a number"
+        for v in values:
+            ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+            if isinstance(v, bool) or not ok or v < low or (not integer and v <= 0):
+                bound = f">= {low}" if integer else "> 0"
+                raise ConfigError(f"search_space.{key}: {v!r} must be {kind} {bound} (trainable {trainable!r})")
 
 
 def _scheduler(value: Any) -> SchedulerSpec:
