@@ -78,7 +78,8 @@ class Coordinator:
         self.producer: asyncio.Task | None = None
         self.settling: set[asyncio.Task] = set()  # strong references: asyncio keeps only weak ones
         self.stats: dict[str, Any] = {
-            "group": spec.group_key, "coordinator": name, "prep_actors": n_actors, "budget_bytes": budget, "lookahead": lookahead,
+            "group": spec.group_key, "coordinator": name, "prep_actors": n_actors, "budget_bytes": budget,
+            "lookahead": lookahead,
             "samples_per_epoch": self.plan.samples_per_epoch, "chunks_per_epoch": self.plan.chunks_per_epoch,
             "pieces_prepared": 0, "samples_prepared": 0, "samples_served": 0, "pieces_failed": 0,
             "fetch_s": 0.0, "transform_s": 0.0, "trials_joined": 0, "evictions": 0, "samples_skipped": 0,
@@ -124,7 +125,7 @@ class Coordinator:
             raise PrepError(
                 f"trial {trial}: piece {g} was not prepared within {timeout_s}s by {self.name} "
                 f"(head {self.buffer.head}, staged {self.buffer.staged_bytes} of {self.buffer.budget_bytes} bytes); "
-                "a slower trial may hold the staging budget: raise data.staging_bytes or data.fetch_timeout_s"
+                "is the data group overloaded? raise data.fetch_timeout_s or data.prep_actors, or lower data.lease_s"
             ) from None
         if self.fatal is not None:
             raise PrepError(f"trial {trial}: coordinator {self.name} failed: {self.fatal!r}")
@@ -167,8 +168,7 @@ class Coordinator:
                 await asyncio.wait_for(self.changed.wait_for(lambda: self.in_flight == 0), drain_timeout_s)
         except asyncio.TimeoutError:
             logger.warning("%s: %d pieces still in flight at close", self.name, self.in_flight)
-        self.buffer.slots.clear()
-        self.buffer.staged_bytes = 0
+        self.buffer.clear()
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         await self._notify()
@@ -199,7 +199,7 @@ class Coordinator:
                 # Wait for the state to change; the timeout is the lease while the budget blocks,
                 # and otherwise a periodic liveness re-check.
                 try:
-                    await asyncio.wait_for(self.changed.wait_for(lambda: self._producer_state() != state),
+                    await asyncio.wait_for(self.changed.wait_for(lambda now=state: self._producer_state() != now),
                                            self._wait_s())
                 except asyncio.TimeoutError:
                     self._enforce_lease()

@@ -45,6 +45,9 @@ class StreamPlan:
         partition = np.random.default_rng((_ORDER_STREAM, seed)).permutation(ids)
         step = self.segment_chunks * chunk_size
         self._segments = tuple(partition[i : i + step] for i in range(0, ids.size, step))
+        # Per plan (a cache on the method would keep every plan alive): pieces of one segment and
+        # epoch are asked for one after another, so a few recent orders suffice.
+        self._segment_order = functools.lru_cache(maxsize=64)(self._draw_segment_order)
 
     @property
     def num_segments(self) -> int:
@@ -81,8 +84,7 @@ class StreamPlan:
             return (epoch + 1) * self.chunks_per_epoch
         return epoch * self.chunks_per_epoch + segment * self.segment_chunks
 
-    @functools.lru_cache(maxsize=64)
-    def _segment_order(self, epoch: int, segment: int) -> np.ndarray:
+    def _draw_segment_order(self, epoch: int, segment: int) -> np.ndarray:
         rng = np.random.default_rng((_ORDER_STREAM, self.seed, epoch, segment))
         order = rng.permutation(self._segments[segment])
         order.setflags(write=False)

@@ -184,6 +184,13 @@ class StagingBuffer:
         slot = self.slots.get(g)
         return slot is None and g >= self.head or slot is not None and trial in slot.waiting
 
+    def clear(self) -> list[Slot]:
+        """Release every slot at once (the group is shutting down); returns them."""
+        released = list(self.slots.values())
+        self.slots.clear()
+        self.staged_bytes = 0
+        return released
+
     # -- internals ---------------------------------------------------------------------------
     def _settle(self, g: int, state: SlotState, payload: Any) -> Slot | None:
         slot = self.slots[g]

@@ -35,13 +35,19 @@ def _inject(config: dict, epoch: int, step: int) -> None:
     if fault == "kill_self":
         marker = os.path.join(config["out"], "killed-once")
         if not os.path.exists(marker):  # only the first attempt dies; Tune's retry goes on
+            import ray
+            from ray.util.state import get_actor
+
             open(marker, "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
+            me = get_actor(ray.get_runtime_context().get_actor_id())  # this trial's worker, by the state API
+            os.kill(int(me.pid), signal.SIGKILL)
     elif fault in ("kill_prep", "kill_coordinator"):
-        title = "ray::PrepActor" if fault == "kill_prep" else "ray::Coordinator"
-        victims = pids_titled(title)
-        assert victims, f"no process titled {title}"
-        os.kill(victims[0], signal.SIGKILL)
+        from ray.util.state import list_actors  # Ray's state API (needs the dashboard running)
+
+        cls = "PrepActor" if fault == "kill_prep" else "Coordinator"
+        victims = list_actors(filters=[("class_name", "=", cls), ("state", "=", "ALIVE")], detail=True)
+        assert victims, f"no live {cls} actor"
+        os.kill(int(victims[0].pid), signal.SIGKILL)
 
 
 def record(config: dict) -> None:

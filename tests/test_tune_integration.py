@@ -62,7 +62,7 @@ def test_concurrent_trials_of_different_batch_sizes_share_one_pipeline(ray_sessi
     assert starters, "the first trial to join starts at piece 0"
     for trial in starters:
         private = train_loader(_spec(small_dataset, coordinated=False), batch_size=by_trial[trial])
-        for k, saved in enumerate(records[trial]):
+        for saved in records[trial]:
             batches = list(private)
             assert np.array_equal(np.concatenate([b.indices.numpy() for b in batches]), saved["indices"])
             assert np.array_equal(np.concatenate([sample_digests(b.images.numpy()) for b in batches]), saved["digests"])

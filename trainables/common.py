@@ -25,7 +25,7 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
     """Train ``build(num_classes, config)`` for ``config["epochs"]`` epochs and report each epoch.
 
     Config keys: ``data`` (a DataSpec), ``lr``, ``batch_size``, ``epochs``; optional ``momentum``
-    (0.9), ``weight_decay`` (5e-4), ``torch_threads`` (1), ``eval_batch_size`` (256).
+    (0.9), ``weight_decay`` (5e-4), ``torch_threads`` (1), ``eval_batch_size`` (256), ``model_seed`` (0).
     Reports ``epoch``, ``loss`` and ``accuracy`` on the held-out split, ``train_loss``,
     ``data_wait_s``, ``compute_s``, ``stall_fraction`` (share of the epoch spent waiting for data) and
     ``private_samples`` (samples the trial prepared itself so far).
@@ -35,6 +35,7 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
 
         report = tune.report
     torch.set_num_threads(int(config.get("torch_threads", 1)))
+    torch.manual_seed(int(config.get("model_seed", 0)))  # reproducible initialisation per trial
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     spec = resolve_spec(config)
     model = build(len(open_source(spec.dataset).classes), config).to(device)

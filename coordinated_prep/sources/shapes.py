@@ -54,7 +54,7 @@ def ensure_shapes(root: str | None = None) -> str:
 
 def _generate(out: str) -> None:
     rng = np.random.default_rng(20211)
-    for label, name in enumerate(CLASSES):
+    for name in CLASSES:
         folder = os.path.join(out, name)
         os.makedirs(folder)
         for i in range(IMAGES_PER_CLASS):
