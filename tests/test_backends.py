@@ -68,3 +68,16 @@ def test_skip_policy_leaves_the_broken_sample_out_and_reports_it(tmp_path):
     assert index == 1 and path == source.paths[1] and "cannot decode" in reason
     full, _ = prepare_chunk(source, prep, 0, 0, np.array([0, 2]), 16)
     assert np.array_equal(full.images, chunk.images), "skipping one sample does not change the others"
+
+
+def test_a_file_that_disappears_after_the_scan_is_a_sample_error_or_skipped(tmp_path):
+    import os
+
+    root = make_imagefolder(str(tmp_path), classes=1, per_class=3, png_every=99)
+    source = ImageFolderSource(root)
+    os.remove(source.paths[2])
+    prep = make_preprocessor(PipelineSpec(size=16))
+    with pytest.raises(SampleError, match=r"sample 2 \(.*img_002.jpg\): cannot read the file"):
+        prepare_chunk(source, prep, 0, 0, np.array([0, 2]), 16)
+    chunk, timing = prepare_chunk(source, prep, 0, 0, np.array([0, 2]), 16, on_error="skip")
+    assert chunk.indices.tolist() == [0] and timing.skipped[0][0] == 2

@@ -38,5 +38,5 @@ def test_a_tiny_sweep_prints_and_writes_its_summary(ray_session, small_dataset, 
     assert len(summary["trials"]) == 3 and summary["best_trial"]["accuracy"] is not None
     [group] = summary["groups"].values()
     assert group["samples_served"] >= 3 * 2 * group["samples_per_epoch"]
-    assert group["samples_prepared"] < group["samples_served"]
+    assert group["samples_prepared"] >= group["samples_per_epoch"] and group["coordinators"] >= 1
     assert all(t["stall_fraction"] is not None for t in summary["trials"])

@@ -91,8 +91,10 @@ def test_a_trial_killed_mid_epoch_is_retried_and_rejoins(ray_session, small_data
 def test_a_killed_coordinator_fails_every_trial_of_its_group_with_a_clear_error(ray_session, small_dataset, tmp_path):
     baseline = plasma_objects()
     spec = _spec(small_dataset)
-    analysis, _ = _run({"data": spec, "batch_size": 8, "epochs": 3, "delay_s": 0.05,
-                        "fault": tune.grid_search(["kill_coordinator", None])}, tmp_path)
+    # The long-running trial starts first; the second kills the coordinator once it has joined too,
+    # so both are members of the group when it dies.
+    analysis, _ = _run({"data": spec, "batch_size": 8, "epochs": 3, "delay_s": 0.3,
+                        "fault": tune.grid_search([None, "kill_coordinator"])}, tmp_path)
     assert [t.status for t in analysis.trials] == ["ERROR", "ERROR"]
     for trial in analysis.trials:
         message = open(trial.error_file).read()

@@ -33,7 +33,8 @@ def test_concurrent_trials_of_different_batch_sizes_share_one_pipeline(ray_sessi
     searcher = CoordinatedSearcher()
     sizes = [8, 12, 20, 7]
     analysis = tune.run(
-        tune.with_resources(record, {"cpu": 0.25}), config={"data": spec, "batch_size": tune.grid_search(sizes), "epochs": EPOCHS, "out": str(tmp_path)},
+        tune.with_resources(record, {"cpu": 0.25}), config={"data": spec, "batch_size": tune.grid_search(sizes), "epochs": EPOCHS, "out": str(tmp_path),
+                "delay_s": 0.05},  # a compute step, so that the trials' lifetimes overlap
         search_alg=searcher, verbose=0,
     )
     assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
@@ -104,7 +105,9 @@ def test_asha_stops_trials_early_without_leaks(ray_session, small_dataset, tmp_p
     epochs = 4
     analysis = tune.run(
         tune.with_resources(record, {"cpu": 0.25}), config={"data": spec, "batch_size": 16, "epochs": epochs, "out": str(tmp_path),
-                        "score": tune.grid_search([1, 2, 3, 4, 5, 6])},
+                        # Best first: by the time a worse trial reports a rung, better ones already have,
+                        # so ASHA's cutoff stops it (in increasing order it would stop none).
+                        "score": tune.grid_search([6, 5, 4, 3, 2, 1])},
         search_alg=searcher, verbose=0, metric="score", mode="max",
         scheduler=ASHAScheduler(max_t=epochs, grace_period=1, reduction_factor=2),
     )
