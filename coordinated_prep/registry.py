@@ -101,10 +101,6 @@ class GroupRegistry:
                 logger.warning("data group %s: no report: %s", key, e)
         return out
 
-    async def live_groups(self) -> int:
-        """Number of groups with a live coordinator."""
-        return len(self._groups)
-
     async def shutdown(self) -> None:
         """Destroy every group."""
         for trial in list(self._trial_group):
