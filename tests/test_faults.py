@@ -49,8 +49,11 @@ def _run(config: dict, tmp_path, **kwargs):
 
 def test_a_straggler_is_detached_after_the_lease_and_keeps_exact_epochs(ray_session, small_dataset, tmp_path):
     baseline = plasma_objects()
-    spec = _spec(small_dataset, staging_bytes=2 * 8 * 3 * 32 * 32, lease_s=1.0)
-    # The slow trial starts first, so the fast one runs beside it all its life and fills the budget.
+    # The budget holds two pieces. The slow trial starts first, so the fast one runs beside it and
+    # fills the budget within a few batches; from then on production stays blocked for the whole of
+    # each slow step (0.6 s), which is longer than the lease (0.25 s), so the slow trial is detached
+    # early in its first epoch, not by an incidental pause near its end.
+    spec = _spec(small_dataset, staging_bytes=2 * 8 * 3 * 32 * 32, lease_s=0.25)
     analysis, reports = _run({"data": spec, "batch_size": 8, "epochs": 2,
                               "delay_s": tune.grid_search([0.6, 0.1])}, tmp_path)
     assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
