@@ -26,6 +26,7 @@ class ChunkTiming(NamedTuple):
     fetch_s: float  # reading encoded bytes
     transform_s: float  # decoding and augmenting
     skipped: tuple[tuple[int, str, str], ...] = ()  # (index, path, reason) under on_error="skip"
+    finished_at: float = 0.0  # wall-clock time (time.time) the prep actor finished; 0 when unset
 
 
 def prepare_chunk(

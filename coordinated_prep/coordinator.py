@@ -17,6 +17,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from coordinated_prep import metrics
 from coordinated_prep.errors import PrepError
 from coordinated_prep.plan import StreamPlan, holdout_split
 from coordinated_prep.prep_actor import PrepActor
@@ -82,17 +83,23 @@ class Coordinator:
             "lookahead": lookahead,
             "samples_per_epoch": self.plan.samples_per_epoch, "chunks_per_epoch": self.plan.chunks_per_epoch,
             "pieces_prepared": 0, "samples_prepared": 0, "samples_served": 0, "pieces_failed": 0,
-            "fetch_s": 0.0, "transform_s": 0.0, "trials_joined": 0, "evictions": 0, "samples_skipped": 0,
+            "fetch_s": 0.0, "transform_s": 0.0, "put_s": 0.0, "trials_joined": 0, "evictions": 0,
+            "samples_skipped": 0,
         }
+        self.group = spec.group_key
+        metrics.set_gauge("staging_budget_bytes", budget, group=self.group)
 
     # -- trial-facing API -------------------------------------------------------------------
-    async def join(self, trial: str) -> dict[str, Any]:
-        """Register ``trial`` as a consumer; returns where its first epoch starts and the epoch size."""
+    async def join(self, trial: str, epochs: int | None = None) -> dict[str, Any]:
+        """Register ``trial`` as a consumer reading ``epochs`` epochs (None: until it leaves).
+
+        Returns where its first epoch starts, the epoch size, and the trial's incarnation token.
+        """
         if self.closed or self.fatal is not None:
             raise PrepError(f"trial {trial}: coordinator {self.name} is shut down or failed ({self.fatal!r})")
         if self.producer is None:  # created here because __init__ runs outside the event loop
             self.producer = asyncio.get_running_loop().create_task(self._produce())
-        token, start = self.buffer.join(trial)
+        token, start = self.buffer.join(trial, None if epochs is None else epochs * self.plan.chunks_per_epoch)
         self.evicted.pop(trial, None)
         self.stats["trials_joined"] += 1
         logger.info("trial %s joined group %s at piece %d", trial, self.spec.group_key, start)
@@ -141,6 +148,7 @@ class Coordinator:
         ref, n = slot.payload
         self.buffer.fetched(trial, g, n)
         self.stats["samples_served"] += n
+        metrics.inc("samples_served", n, group=self.group, trial=trial)
         await self._notify()
         return {"status": "ok", "ref": ref}
 
@@ -239,6 +247,7 @@ class Coordinator:
             self.buffer.leave(trial, token)
             self.evicted[trial] = token
             self.stats["evictions"] += 1
+            metrics.inc("errors", 1, group=self.group, kind="lease_detached")
             logger.warning("group %s: trial %s held the staging budget for %.0fs (dead or straggling); it now "
                            "prepares its own pieces", self.spec.group_key, trial, self.spec.lease_s)
         self.blocked_since = None
@@ -251,12 +260,19 @@ class Coordinator:
             if g in self.buffer.slots:
                 self.buffer.mark_failed(g, _root_cause(e))
             self.stats["pieces_failed"] += 1
+            metrics.inc("errors", 1, group=self.group, kind="failed_piece")
             logger.warning("group %s: piece %d failed: %s", self.spec.group_key, g, _root_cause(e))
         else:
             if g in self.buffer.slots:  # absent only after close()
                 self.buffer.mark_ready(g, (chunk_ref, self.plan.chunk_len(g) - len(timing.skipped)))
+            put_s = max(0.0, time.time() - timing.finished_at) if timing.finished_at else 0.0
+            samples = self.plan.chunk_len(g) - len(timing.skipped)
             self.stats["pieces_prepared"] += 1
-            self.stats["samples_prepared"] += self.plan.chunk_len(g) - len(timing.skipped)
+            self.stats["samples_prepared"] += samples
+            metrics.inc("samples_prepared", samples, group=self.group)
+            for stage, seconds in (("fetch", timing.fetch_s), ("decode_augment", timing.transform_s), ("put", put_s)):
+                metrics.inc("prep_seconds", seconds, group=self.group, stage=stage)
+            metrics.inc("errors", len(timing.skipped), group=self.group, kind="skipped_sample")
             for index, path, reason in timing.skipped:
                 if index not in self.skipped:  # logged once per sample, whatever the epoch
                     self.skipped.add(index)
@@ -264,6 +280,7 @@ class Coordinator:
             self.stats["samples_skipped"] = len(self.skipped)
             self.stats["fetch_s"] += timing.fetch_s
             self.stats["transform_s"] += timing.transform_s
+            self.stats["put_s"] += put_s
         finally:
             self.in_flight -= 1
             await self._notify()
@@ -275,6 +292,8 @@ class Coordinator:
         return slot is not None and slot.state is not SlotState.RESERVED
 
     async def _notify(self) -> None:
+        metrics.set_gauge("staged_bytes", self.buffer.staged_bytes, group=self.group)
+        metrics.set_gauge("consumers", len(self.buffer.consumers), group=self.group)
         async with self.changed:
             self.changed.notify_all()
 

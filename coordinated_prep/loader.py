@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
@@ -10,6 +11,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
+from coordinated_prep import metrics
 from coordinated_prep.backends import make_preprocessor
 from coordinated_prep.chunk import PreparedChunk
 from coordinated_prep.errors import ConfigError
@@ -63,11 +65,17 @@ class TrainLoader:
     Args:
         stream: Where the pieces come from (shared or private).
         batch_size: Samples per batch.
+        epochs: Epochs the trial will read, or None for no limit.
+        tags: Metric tags (``group``, ``trial``) for the data-wait metrics.
     """
 
-    def __init__(self, stream: PieceStream, batch_size: int) -> None:
+    def __init__(self, stream: PieceStream, batch_size: int, epochs: int | None = None,
+                 tags: Mapping[str, str] | None = None) -> None:
         self._stream = stream
         self.batch_size = batch_size
+        self.epochs = epochs
+        self.data_wait_s = 0.0  # seconds spent blocked in this loader, all epochs together
+        self._tags = dict(tags or {"group": "-", "trial": "-"})
         self.epoch = 0
         self.samples_per_epoch = stream.samples_per_epoch
 
@@ -90,7 +98,23 @@ class TrainLoader:
         return math.ceil(self.samples_per_epoch / self.batch_size)
 
     def __iter__(self) -> Iterator[Batch]:
+        if self.epochs is not None and self.epoch >= self.epochs:
+            raise ConfigError(f"train_loader: epoch {self.epoch + 1} requested, but the loader was created with "
+                              f"epochs={self.epochs}; raise epochs or leave it unset")
         epoch, self.epoch = self.epoch, self.epoch + 1
+        batches = self._batches(epoch)
+        while True:
+            t0 = time.perf_counter()
+            batch = next(batches, None)
+            waited = time.perf_counter() - t0
+            self.data_wait_s += waited
+            metrics.inc("data_wait_seconds", waited, **self._tags)
+            if batch is None:
+                return
+            metrics.inc("batches", 1, **self._tags)
+            yield batch
+
+    def _batches(self, epoch: int) -> Iterator[Batch]:
         first = self._stream.start + epoch * self._stream.chunks_per_epoch
         while self._stream.position < first:  # the previous epoch was cut short (break, max steps)
             self._stream.skip()  # its rest is passed over, so this epoch is again exactly one pass
@@ -149,7 +173,8 @@ def _take(pending: list[PreparedChunk], n: int) -> tuple[Batch, list[PreparedChu
 
 
 def train_loader(
-    config: Mapping[str, Any] | DataSpec, batch_size: int, *, key: str = "data", prefetch: int | None = None,
+    config: Mapping[str, Any] | DataSpec, batch_size: int, *, epochs: int | None = None, key: str = "data",
+    prefetch: int | None = None,
 ) -> TrainLoader:
     """The training loader of a Tune trial.
 
@@ -161,6 +186,9 @@ def train_loader(
         config: The trial's config (the DataSpec under ``config[key]``); a bare DataSpec only
             with ``coordinated=False``.
         batch_size: Samples per batch; trials of one group may differ.
+        epochs: Epochs the trial will read, if known (a trial stopped early may leave sooner). With
+            it, the group prepares nothing past the last piece its trials read; without it, up to
+            ``lookahead`` pieces past the end are prepared and dropped when the trials leave.
         key: Config key of the DataSpec.
         prefetch: Pieces requested ahead; defaults to two batches' worth.
 
@@ -169,9 +197,12 @@ def train_loader(
     """
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ConfigError(f"train_loader: batch_size={batch_size!r} must be a positive integer")
+    if epochs is not None and (not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1):
+        raise ConfigError(f"train_loader: epochs={epochs!r} must be a positive integer or None")
     spec = resolve_spec(config, key)
     if not spec.coordinated:
-        return TrainLoader(PrivateStream(spec), batch_size)
+        tags = {"group": spec.group_key, "trial": _current_trial_id(required=False)}
+        return TrainLoader(PrivateStream(spec), batch_size, epochs, tags)
     session = config.get(SESSION_KEY) if isinstance(config, Mapping) else None
     if not isinstance(session, str):
         raise ConfigError(
@@ -181,7 +212,8 @@ def train_loader(
         )
     trial = _current_trial_id()
     depth = prefetch if prefetch is not None else 2 * math.ceil(batch_size / spec.chunk_size) + 1
-    return TrainLoader(SharedStream(spec, session, trial, depth), batch_size)
+    return TrainLoader(SharedStream(spec, session, trial, depth, epochs), batch_size, epochs,
+                       {"group": spec.group_key, "trial": trial})
 
 
 def eval_loader(config: Mapping[str, Any] | DataSpec, batch_size: int, *, key: str = "data") -> Iterator[Batch]:
@@ -197,13 +229,18 @@ def eval_loader(config: Mapping[str, Any] | DataSpec, batch_size: int, *, key: s
                     torch.full((len(ids),), -1, dtype=torch.int64))
 
 
-def _current_trial_id() -> str:
-    from ray import tune
-
+def _current_trial_id(required: bool = True) -> str:
+    """The Tune trial id of this process; "local" outside Tune unless ``required``."""
     try:
-        trial = tune.get_context().get_trial_id()
+        from ray import tune
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "meant to only be called inside a Tuner"
+            trial = tune.get_context().get_trial_id()
     except Exception:  # outside a Tune trial the context raises or returns None, depending on version
         trial = None
+    if not trial and not required:
+        return "local"
     if not trial:
         raise ConfigError("train_loader: coordinated=True works inside a Tune trial only; "
                           "outside Tune use DataSpec(coordinated=False)")

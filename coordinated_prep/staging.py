@@ -12,8 +12,10 @@ Life cycle of a piece ``g`` (the legal transitions; nothing else changes a slot)
   else is staged, so one piece larger than the budget cannot deadlock the stream), and only up to
   ``lookahead`` pieces past the furthest piece any trial has asked for: the budget bounds memory,
   the lookahead bounds work nobody may use (pieces prepared when the last trials leave).
-- The consumers of a piece are fixed when it is reserved: every registered trial whose start is
-  at or before ``g``; a trial that joins later at a start ``<= g`` is added then.
+- The consumers of a piece are fixed when it is reserved: every registered trial whose range
+  ``[start, end)`` holds ``g``; a trial that joins later with ``g`` in its range is added then. A
+  trial that declares how many pieces it will read (its epochs) has a finite ``end``, so nothing is
+  prepared past the last piece any trial will read.
 - A consumer leaving removes it from every slot; slots left without consumers are released as
   soon as they are no longer in flight.
 - Release means the coordinator drops its reference. A trial that fetched the piece may still hold
@@ -48,7 +50,7 @@ class Slot:
 
 @dataclass
 class Consumer:
-    """A registered trial: its incarnation token, the piece its first epoch starts at, samples served.
+    """A registered trial: its incarnation token, its range of pieces ``[start, end)``, samples served.
 
     The token tells a trial that re-joined under the same id (a Tune retry) from requests its
     previous incarnation left in flight: those must not consume the new incarnation's pieces.
@@ -56,7 +58,12 @@ class Consumer:
 
     token: int
     start: int
+    end: int | None = None  # None: the trial reads on until it leaves
     served_samples: int = 0
+
+    def covers(self, g: int) -> bool:
+        """Whether piece ``g`` is one this trial reads."""
+        return self.start <= g and (self.end is None or g < self.end)
 
 
 class StagingBuffer:
@@ -83,8 +90,11 @@ class StagingBuffer:
         self._tokens = 0
 
     # -- consumers --------------------------------------------------------------------------
-    def join(self, trial: str) -> tuple[int, int]:
+    def join(self, trial: str, pieces: int | None = None) -> tuple[int, int]:
         """Register ``trial``; returns ``(token, start)``: its incarnation and its first epoch's piece.
+
+        ``pieces`` is how many pieces the trial will read (its epochs times the pieces per epoch),
+        or None if it reads until it leaves.
 
         A trial that is already registered (a retry under the same id) is first removed, so it
         starts a fresh epoch. The start is the first join point from which every piece up to the
@@ -97,15 +107,16 @@ class StagingBuffer:
                 break
             low = g
         start = self._next_join_point(low)
-        if not any(c.start <= self.head for c in self.consumers.values()):
+        if not any(c.covers(self.head) or c.start > self.head for c in self.consumers.values()):
             # Nobody needs the pieces between the head and this start (pieces still in flight there
             # are freed when they land): skip them, or no consumer would ever want the head again.
             self.head = max(self.head, start)
         self._tokens += 1
-        self.consumers[trial] = Consumer(token=self._tokens, start=start)
+        consumer = Consumer(token=self._tokens, start=start, end=None if pieces is None else start + pieces)
+        self.consumers[trial] = consumer
         self.demand = max(self.demand, start)
         for g, slot in self.slots.items():
-            if g >= start:
+            if consumer.covers(g):
                 slot.waiting.add(trial)
         return self._tokens, start
 
@@ -129,7 +140,7 @@ class StagingBuffer:
     # -- producing ---------------------------------------------------------------------------
     def wanted(self) -> bool:
         """Whether some registered trial needs the head piece, and it is within the lookahead."""
-        return self.head < self.demand + self.lookahead and any(c.start <= self.head for c in self.consumers.values())
+        return self.head < self.demand + self.lookahead and any(c.covers(self.head) for c in self.consumers.values())
 
     def laggards(self) -> set[str]:
         """The trials that still have to fetch the oldest staged piece (the ones holding the window)."""
@@ -148,7 +159,7 @@ class StagingBuffer:
     def reserve(self, nbytes: int) -> Slot:
         """Stage the head piece as in flight; its consumers are the trials that started at or before it."""
         g = self.head
-        waiting = {t for t, c in self.consumers.items() if c.start <= g}
+        waiting = {t for t, c in self.consumers.items() if c.covers(g)}
         slot = Slot(g=g, nbytes=nbytes, waiting=waiting)
         self.slots[g] = slot
         self.head += 1
@@ -179,7 +190,7 @@ class StagingBuffer:
     def needs(self, trial: str, g: int) -> bool:
         """Whether ``g`` is a piece ``trial`` may still fetch."""
         consumer = self.consumers.get(trial)
-        if consumer is None or g < consumer.start:
+        if consumer is None or not consumer.covers(g):
             return False
         slot = self.slots.get(g)
         return slot is None and g >= self.head or slot is not None and trial in slot.waiting

@@ -95,9 +95,10 @@ class SharedStream:
         session: The CoordinatedSearcher session that owns the sweep's data groups.
         trial: The trial id the coordinator knows this consumer by.
         prefetch: Pieces requested ahead of the one being consumed (bounded).
+        epochs: Epochs the trial will read, if it knows: nothing past them is requested or prepared.
     """
 
-    def __init__(self, spec: DataSpec, session: str, trial: str, prefetch: int) -> None:
+    def __init__(self, spec: DataSpec, session: str, trial: str, prefetch: int, epochs: int | None = None) -> None:
         self._spec = spec
         self._trial = trial
         self._fallback: PrivateStream | None = None  # set when the lease detaches this trial
@@ -110,13 +111,14 @@ class SharedStream:
                 "the CoordinatedSearcher that started the sweep (was searcher.close() called early?)"
             ) from None
         self._coordinator = self._call(registry.group_for.remote(spec, trial), "finding its data group")
-        info = self._call(self._coordinator.join.remote(trial), "joining its data group")
+        info = self._call(self._coordinator.join.remote(trial, epochs), "joining its data group")
         self.start: int = info["start"]
         self.chunks_per_epoch: int = info["chunks_per_epoch"]
         self.samples_per_epoch: int = info["samples_per_epoch"]
         self.coordinator: str = info["name"]
         self._token: int = info["token"]
         self._next = self.start
+        self._end = None if epochs is None else self.start + epochs * self.chunks_per_epoch
         self._prefetch = max(1, prefetch)
         self._pending: collections.deque[tuple[int, ray.ObjectRef]] = collections.deque()
         self._closed = False
@@ -146,8 +148,13 @@ class SharedStream:
         if self._fallback is not None:
             return self._fallback.position, None
         while len(self._pending) < self._prefetch:  # bounded: at most `prefetch` requests in flight
+            if self._end is not None and self._next >= self._end:
+                break
             g, self._next = self._next, self._next + 1
             self._pending.append((g, self._coordinator.fetch.remote(self._trial, self._token, g, self._timeout)))
+        if not self._pending:
+            raise PrepError(f"trial {self._trial}: read past the {self._end - self.start} pieces it declared "
+                            "(train_loader's epochs); raise epochs or leave it unset")
         g, ref = self._pending.popleft()
         answer = self._call(ref, f"waiting for piece {g}", self._timeout + 30)
         if answer["status"] == "evicted":

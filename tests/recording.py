@@ -53,11 +53,13 @@ def _inject(config: dict, epoch: int, step: int) -> None:
 def record(config: dict) -> None:
     """Iterate ``epochs`` epochs; save per epoch: indices, stream epochs, digests, batch sizes.
 
-    Optional: ``delay_s`` per batch (a slow trial's compute step), ``fault`` to inject (see _inject).
+    Optional: ``delay_s`` per batch (a slow trial's compute step), ``fault`` to inject (see _inject),
+    ``declare_epochs`` (True: the loader is told the epochs, so nothing past them is prepared).
     """
     out = os.path.join(config["out"], tune.get_context().get_trial_id())
     os.makedirs(out, exist_ok=True)
-    loader = train_loader(config, batch_size=config["batch_size"])
+    loader = train_loader(config, batch_size=config["batch_size"],
+                          epochs=config["epochs"] if config.get("declare_epochs", True) else None)
     for epoch in range(config["epochs"]):
         parts = []
         for step, b in enumerate(loader):

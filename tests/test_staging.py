@@ -149,12 +149,17 @@ def test_failed_piece_reaches_its_consumers_then_is_freed():
 class _Trial:
     start: int
     cursor: int
+    end: float = float("inf")  # a trial that declared its epochs reads pieces [start, end)
     pieces: list[int] = field(default_factory=list)
+
+    def covers(self, g: int) -> bool:
+        return self.start <= g < self.end
 
 
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("join"), st.integers(0, 3)),
+        st.tuples(st.just("join_for"), st.integers(0, 11)),  # trial arg % 4 declares arg // 4 + 1 epochs
         st.tuples(st.just("leave"), st.integers(0, 3)),
         st.tuples(st.just("produce"), st.integers(0, 0)),
         st.tuples(st.just("settle"), st.integers(0, 5)),
@@ -175,13 +180,14 @@ def test_exactly_once_and_freeing_under_random_schedules(ops, n, chunk, segments
     finished: list[_Trial] = []
     in_flight: list[int] = []
     for op, arg in ops:
-        name = f"t{arg}"
-        if op == "join":
+        name = f"t{arg % 4}"
+        if op in ("join", "join_for"):
             if name in trials:
                 finished.append(trials.pop(name))  # a re-join (retry) starts a fresh consumer
-            _, start = buf.join(name)
+            pieces = (arg // 4 + 1) * plan.chunks_per_epoch if op == "join_for" else None
+            _, start = buf.join(name, pieces)
             assert plan.is_join_point(start)
-            trials[name] = _Trial(start, start)
+            trials[name] = _Trial(start, start, float("inf") if pieces is None else start + pieces)
         elif op == "leave" and name in trials:
             buf.leave(name)
             finished.append(trials.pop(name))
@@ -189,7 +195,7 @@ def test_exactly_once_and_freeing_under_random_schedules(ops, n, chunk, segments
             in_flight.append(buf.reserve(plan.chunk_len(buf.head) * PIECE).g)
         elif op == "settle" and in_flight:
             buf.mark_ready(in_flight.pop(arg % len(in_flight)), "ref")
-        elif op == "fetch" and name in trials:
+        elif op == "fetch" and name in trials and trials[name].cursor < trials[name].end:
             t = trials[name]
             buf.request(t.cursor)
             slot = buf.slots.get(t.cursor)
@@ -201,10 +207,11 @@ def test_exactly_once_and_freeing_under_random_schedules(ops, n, chunk, segments
         assert buf.staged_bytes == sum(s.nbytes for s in buf.slots.values())
         assert buf.staged_bytes <= buf.budget_bytes or len(buf.slots) == 1
         assert buf.head <= max(buf.demand + buf.lookahead, max((t.start for t in trials.values()), default=0))
-        # Liveness: while anyone is registered, someone needs the head (else production stops for good).
-        assert not trials or any(t.start <= buf.head for t in trials.values())
+        # Liveness: while anyone still has pieces to read, someone needs the head or a later piece.
+        reading = [t for t in trials.values() if t.cursor < t.end]
+        assert not reading or any(t.covers(buf.head) or t.start > buf.head for t in reading)
         for tname, t in trials.items():  # nothing a current consumer has not read is gone
-            for g in range(t.cursor, buf.head):
+            for g in range(t.cursor, int(min(buf.head, t.end))):
                 assert g in buf.slots and tname in buf.slots[g].waiting, (tname, g)
     # Every trial's completed epochs hold every sample exactly once.
     for name, t in trials.items():
@@ -222,3 +229,16 @@ def test_exactly_once_and_freeing_under_random_schedules(ops, n, chunk, segments
     for g in in_flight:
         buf.mark_ready(g, "ref")
     assert not buf.slots and buf.staged_bytes == 0
+
+
+def test_a_trial_that_declares_its_epochs_gets_nothing_past_them():
+    plan = StreamPlan(np.arange(40), 0, chunk_size=4, segments=5)  # 10 pieces an epoch
+    buf = _buffer(plan, 1000, lookahead=100)
+    _, start = buf.join("a", pieces=plan.chunks_per_epoch)
+    assert start == 0 and buf.needs("a", 9) and not buf.needs("a", 10)
+    produced = []
+    while buf.wanted():
+        produced.append(buf.reserve(PIECE).g)
+    assert produced == list(range(10)), "production stops at the end of the only trial's epoch"
+    _, start = buf.join("b")  # an open-ended trial joining now still gets pieces past a's end
+    assert buf.wanted() and buf.reserve(PIECE).g == 10 and "a" not in buf.slots[10].waiting

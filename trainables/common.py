@@ -43,7 +43,7 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
                                 weight_decay=float(config.get("weight_decay", 5e-4)), nesterov=True)
     epochs = int(config["epochs"])
     loss_fn = nn.CrossEntropyLoss()
-    with train_loader(config, batch_size=int(config["batch_size"])) as loader:
+    with train_loader(config, batch_size=int(config["batch_size"]), epochs=epochs) as loader:
         scheduler = torch.optim.lr_scheduler.OneCycleLR(
             optimizer, max_lr=float(config["lr"]), total_steps=epochs * len(loader), pct_start=0.25
         )
