@@ -180,6 +180,7 @@ class Coordinator:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         await self._notify()
+        metrics.set_gauge("consumers", 0, group=self.group)  # the gauges outlive this actor in the agent
 
     # -- producing ---------------------------------------------------------------------------
     async def _produce(self) -> None:

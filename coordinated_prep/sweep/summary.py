@@ -51,10 +51,11 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     for key, g in summary["groups"].items():
         rows.append([key, g.get("dataset"), g.get("samples_prepared"), g.get("samples_served"),
                      _num(g.get("saving"), "{:.2f}x"), _num(g.get("peak_staged_bytes", 0) / 2**20, "{:.1f}"),
-                     _num(g.get("fetch_s"), "{:.1f}"), _num(g.get("transform_s"), "{:.1f}"), g.get("evictions", 0)])
+                     _num(g.get("fetch_s"), "{:.1f}"), _num(g.get("transform_s"), "{:.1f}"),
+                     _num(g.get("put_s"), "{:.1f}"), g.get("evictions", 0)])
     if rows:
         lines.append(_table(["group", "dataset", "prepared", "served", "saving", "peak MiB", "fetch s",
-                             "decode+aug s", "detached"], rows))
+                             "decode+aug s", "put s", "detached"], rows))
     else:
         lines.append("No coordinated data groups (coordinated: false): every trial prepared its own data.")
     return "\n".join(lines)

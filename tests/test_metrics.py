@@ -1,0 +1,108 @@
+"""Dashboard metrics: scraped over HTTP from the node's Prometheus endpoint during a real sweep."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import threading
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from ray import tune
+
+from coordinated_prep import CoordinatedSearcher, DataSpec
+from coordinated_prep.metrics import DEFINITIONS
+from tests.conftest import REPO
+from tests.harness import train_ids
+from tests.recording import record
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PORT = _free_port()
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """This module's Ray exports metrics on a known port and reports them every second."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1", object_store_memory=512 * 2**20,
+             log_to_driver=False, _metrics_export_port=PORT, _system_config={"metrics_report_interval_ms": 1000},
+             runtime_env={"env_vars": {"PYTHONPATH": REPO, "COORDPREP_CACHE": os.environ["COORDPREP_CACHE"]}})
+    yield ray
+    ray.shutdown()
+
+
+def scrape() -> dict[tuple[str, frozenset], float]:
+    """Our samples on the node's endpoint: (name without Ray's prefix, our tags) -> value."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=10).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("ray_coordprep_"):
+                tags = frozenset((k, v) for k, v in s.labels.items() if k in ("group", "trial", "stage", "kind"))
+                samples[(s.name[len("ray_"):].removesuffix("_total"), tags)] = s.value
+    return samples
+
+
+def value(samples, name: str, **tags: str) -> float | None:
+    return samples.get((f"coordprep_{name}", frozenset(tags.items())))
+
+
+def test_metrics_are_scraped_during_a_sweep_with_plausible_values(ray_session, small_dataset, tmp_path):
+    spec = DataSpec(dataset=small_dataset, pipeline={"size": 32}, seed=4, chunk_size=8, segments=4, prep_actors=2,
+                    staging_bytes=64 * 8 * 3 * 32 * 32)
+    group, epochs = spec.group_key, 2
+    during: list[dict] = []
+    stop = threading.Event()
+
+    def poll() -> None:  # the scraper Prometheus would be, every half second while the sweep runs
+        while not stop.wait(0.5):
+            during.append(scrape())
+
+    scraper = threading.Thread(target=poll, daemon=True)
+    scraper.start()
+    searcher = CoordinatedSearcher()
+    try:
+        analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}),
+                            config={"data": spec, "batch_size": 8, "epochs": epochs, "delay_s": 0.05,
+                                    "score": tune.grid_search([1, 2]), "out": str(tmp_path)},
+                            search_alg=searcher, verbose=0)
+    finally:
+        stop.set()
+        scraper.join(timeout=30)
+        searcher.close()
+    trials = [t.trial_id for t in analysis.trials]
+    assert any(value(s, "samples_prepared", group=group) for s in during), "no metrics seen while the sweep ran"
+
+    # Ray reports every second: wait (bounded) until the final counts have reached the endpoint.
+    expected = len(train_ids(spec)) * epochs
+    final: dict = {}
+    pause = threading.Event()  # never set: a bounded wait between scrapes
+    for _ in range(60):
+        final = scrape()
+        if value(final, "samples_prepared", group=group) == expected and all(
+                value(final, "samples_served", group=group, trial=t) == expected for t in trials):
+            break
+        pause.wait(0.5)
+    names = {name for name, _ in final}
+    missing = {f"coordprep_{n}" for n in DEFINITIONS if n != "errors"} - names
+    assert not missing, f"metrics missing from the endpoint: {missing}"
+    assert value(final, "samples_prepared", group=group) == expected, "a shared group prepares each sample once per epoch"
+    for t in trials:
+        assert value(final, "samples_served", group=group, trial=t) == expected
+        assert value(final, "batches", group=group, trial=t) == epochs * math.ceil(len(train_ids(spec)) / 8)
+        assert value(final, "data_wait_seconds", group=group, trial=t) > 0
+    assert value(final, "staging_budget_bytes", group=group) == spec.staging_bytes
+    peaks = [value(s, "staged_bytes", group=group) or 0 for s in during]
+    assert max(peaks) <= spec.staging_bytes
+    for stage in ("fetch", "decode_augment", "put"):
+        assert value(final, "prep_seconds", group=group, stage=stage) > 0, stage
+    assert value(final, "consumers", group=group) == 0
