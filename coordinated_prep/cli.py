@@ -1,4 +1,4 @@
-"""The ``coordprep`` command: ``coordprep sweep experiments/default.yaml``."""
+"""The ``coordprep`` command: ``coordprep sweep|analyze experiments/default.yaml``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from coordinated_prep.errors import CoordinatedPrepError
+from coordinated_prep.errors import ConfigError, CoordinatedPrepError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,10 +17,18 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("experiment", help="path of the sweep's YAML file, e.g. experiments/default.yaml")
     sweep.add_argument("--dry-run", action="store_true", help="validate the file and stop before Ray starts")
     sweep.add_argument("--verbose", type=int, default=1, choices=(0, 1, 2), help="Tune's progress verbosity")
+    analyze = sub.add_parser("analyze", help="measure the experiment's input pipeline: stalls and what-if predictions")
+    analyze.add_argument("experiment", help="path of the sweep's YAML file")
+    analyze.add_argument("--out", help="directory for analysis.json and analysis.png "
+                                      "(default: <storage_path>/<name>/analysis)")
+    analyze.add_argument("--samples", type=int, default=512, help="training samples to measure (default 512)")
+    analyze.add_argument("--cores", type=int, help="CPU cores for preparation (default: this machine's)")
+    analyze.add_argument("--step-ms", type=float, help="time a simulated accelerator step of this many ms per "
+                                                       "batch instead of the trainable's model")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return _sweep(args)
+        return _analyze(args) if args.command == "analyze" else _sweep(args)
     except CoordinatedPrepError as e:
         sys.stderr.write(f"coordprep: error: {e}\n")
         return 2
@@ -39,6 +47,23 @@ def _sweep(args: argparse.Namespace) -> int:
     summary = run_sweep(cfg, verbose=args.verbose)
     sys.stdout.write("\n" + format_summary(summary) + f"\n\nSummary written to {summary['path']}\n")
     return 0 if all(t["status"] != "ERROR" for t in summary["trials"]) else 1
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    import os
+
+    from coordinated_prep.analyze.report import format_report, write_report
+    from coordinated_prep.analyze.run import analyze
+    from coordinated_prep.sweep.config import load_sweep
+
+    cfg = load_sweep(args.experiment)
+    if args.cores is not None and args.cores < 1:
+        raise ConfigError(f"analyze: --cores={args.cores} must be at least 1")
+    report = analyze(cfg, samples=args.samples, cores=args.cores, step_ms=args.step_ms)
+    out = args.out or os.path.join(cfg.storage_path, cfg.name, "analysis")
+    paths = write_report(report, out)
+    sys.stdout.write(format_report(report) + f"\n\nWritten: {paths['json']} and {paths['png']}\n")
+    return 0
 
 
 if __name__ == "__main__":

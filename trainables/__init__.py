@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Mapping
+
+from torch import nn
 
 from trainables import resnet, small_cnn
 
@@ -12,4 +14,10 @@ REGISTRY: dict[str, Callable[[dict], None]] = {
     "resnet18": resnet.train,
 }
 
-__all__ = ["REGISTRY"]
+#: The model each registered trainable trains (``build(num_classes, config)``), for ``coordprep analyze``.
+MODELS: dict[str, Callable[[int, Mapping[str, Any]], nn.Module]] = {
+    "small_cnn": small_cnn.build,
+    "resnet18": resnet.build,
+}
+
+__all__ = ["MODELS", "REGISTRY"]

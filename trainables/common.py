@@ -39,8 +39,7 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     spec = resolve_spec(config)
     model = build(len(open_source(spec.dataset).classes), config).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=float(config["lr"]), momentum=float(config.get("momentum", 0.9)),
-                                weight_decay=float(config.get("weight_decay", 5e-4)), nesterov=True)
+    optimizer = make_optimizer(model, config)
     epochs = int(config["epochs"])
     loss_fn = nn.CrossEntropyLoss()
     with train_loader(config, batch_size=int(config["batch_size"]), epochs=epochs) as loader:
@@ -59,19 +58,32 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
                 wait += t1 - t0
                 if batch is None:
                     break
-                logits = model(normalize(batch.images, device))
-                loss = loss_fn(logits, batch.labels.to(device))
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
+                loss = train_step(model, optimizer, loss_fn, batch.images, batch.labels, device)
                 scheduler.step()
-                train_loss += loss.item() * len(batch)
+                train_loss += loss * len(batch)
                 seen += len(batch)
                 compute += time.perf_counter() - t1
             eval_loss, accuracy = evaluate(model, config, device, loss_fn)
             report({"epoch": epoch + 1, "loss": eval_loss, "accuracy": accuracy, "train_loss": train_loss / max(seen, 1),
                     "samples": seen, "private_samples": loader.private_samples, "data_wait_s": wait, "compute_s": compute,
                     "stall_fraction": wait / max(wait + compute, 1e-9)})
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module, images: torch.Tensor,
+               labels: torch.Tensor, device: torch.device) -> float:
+    """One optimisation step on a uint8 batch; returns its mean loss."""
+    logits = model(normalize(images, device))
+    loss = loss_fn(logits, labels.to(device))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def make_optimizer(model: nn.Module, config: Mapping[str, Any]) -> torch.optim.Optimizer:
+    """SGD with Nesterov momentum from the config's ``lr``, ``momentum`` and ``weight_decay``."""
+    return torch.optim.SGD(model.parameters(), lr=float(config["lr"]), momentum=float(config.get("momentum", 0.9)),
+                           weight_decay=float(config.get("weight_decay", 5e-4)), nesterov=True)
 
 
 @torch.no_grad()

@@ -1,0 +1,164 @@
+"""Measurements for ``coordprep analyze``: bandwidths, per-stage costs and the three DS-Analyzer runs.
+
+Everything here runs in the calling process (and, for the end-to-end runs, in the worker processes
+of a ``torch.utils.data.DataLoader``, the loader a user would otherwise pick); nothing needs Ray or
+root. A cold page cache is made with ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the dataset's own
+files, which drops their clean cached pages for every process.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from coordinated_prep.contracts import DataSource, Preprocessor
+from coordinated_prep.errors import ConfigError
+
+_BLOCK = 8 * 2**20
+
+
+def evict(paths: Iterable[str]) -> int:
+    """Drop the page-cache pages of ``paths``; returns how many files were advised.
+
+    Raises:
+        ConfigError: The platform has no ``posix_fadvise`` (the cold-cache run cannot be made).
+    """
+    if not hasattr(os, "posix_fadvise"):
+        raise ConfigError("analyze: this platform has no posix_fadvise, so the cold-cache run cannot be made; "
+                          "run analyze on Linux")
+    done = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            done += 1
+        finally:
+            os.close(fd)
+    return done
+
+
+def disk_bandwidth(directory: str, nbytes: int = 128 * 2**20) -> float:
+    """Sequential read bandwidth (bytes/s) of the disk holding ``directory``, with a cold cache.
+
+    Writes a scratch file of ``nbytes`` there, flushes it, evicts it, reads it back, and removes it.
+    """
+    path = os.path.join(directory, f".coordprep-disk-probe-{os.getpid()}")
+    block = np.random.default_rng(0).integers(0, 256, _BLOCK, dtype=np.uint8).tobytes()
+    try:
+        with open(path, "wb") as f:
+            for _ in range(max(1, nbytes // _BLOCK)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        evict([path])
+        t0 = time.perf_counter()
+        read = 0
+        with open(path, "rb", buffering=0) as f:
+            while chunk := f.read(_BLOCK):
+                read += len(chunk)
+        return read / (time.perf_counter() - t0)
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def memory_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 3) -> float:
+    """Memory copy bandwidth (bytes copied per second, best of ``repeats``)."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def read_costs(source: DataSource, paths: Sequence[str], ids: Sequence[int]) -> dict[str, float]:
+    """Read ``ids`` cold (after eviction) and then warm; bytes and seconds of each pass."""
+    evict(paths[i] for i in ids)
+    t0 = time.perf_counter()
+    nbytes = sum(len(source.read(i)) for i in ids)
+    cold = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in ids:
+        source.read(i)
+    warm = time.perf_counter() - t0
+    return {"bytes": float(nbytes), "cold_s": cold, "warm_s": warm}
+
+
+def prep_cost(source: DataSource, preprocessor: Preprocessor, ids: Sequence[int], seed: int) -> float:
+    """Seconds to decode and augment one sample on one core (bytes already in memory)."""
+    blobs = [(i, source.read(i)) for i in ids]
+    preprocessor.train(blobs[0][1], seed, 0, blobs[0][0])  # warm-up (lazy imports, first allocations)
+    t0 = time.perf_counter()
+    for i, data in blobs:
+        preprocessor.train(data, seed, 0, i)
+    return (time.perf_counter() - t0) / len(blobs)
+
+
+class _SampleDataset(torch.utils.data.Dataset):
+    """The sampled ids, read and prepared in DataLoader workers as a private pipeline would."""
+
+    def __init__(self, source: DataSource, preprocessor: Preprocessor, ids: Sequence[int], seed: int) -> None:
+        self.source, self.preprocessor, self.ids, self.seed = source, preprocessor, list(ids), seed
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, k: int) -> tuple[torch.Tensor, int]:
+        i = self.ids[k]
+        image = self.preprocessor.train(self.source.read(i), self.seed, 0, i)
+        return torch.from_numpy(image), int(self.source.labels[i])
+
+
+def end_to_end_rates(
+    step: Callable[[torch.Tensor, torch.Tensor], Any], source: DataSource, preprocessor: Preprocessor,
+    paths: Sequence[str], ids: Sequence[int], seed: int, size: int, batch_size: int, workers: int,
+) -> dict[str, float]:
+    """Samples per second of ``step`` fed three ways: synthetic in-memory data, cold and warm cache.
+
+    ``step(images, labels)`` is one training step on a uint8 batch. The cold and warm runs use a
+    ``DataLoader`` with ``workers`` processes over ``ids`` (at least two batches of them); each rate
+    is timed from the first batch on, so worker start-up is left out.
+    """
+    n = len(ids)
+    images = torch.randint(0, 256, (batch_size, 3, size, size), dtype=torch.uint8)
+    labels = torch.zeros(batch_size, dtype=torch.int64)
+    step(images, labels)  # warm-up
+    t0 = time.perf_counter()
+    for lo in range(0, n, batch_size):
+        k = min(batch_size, n - lo)
+        step(images[:k], labels[:k])
+    rates = {"synthetic": n / (time.perf_counter() - t0)}
+    dataset = _SampleDataset(source, preprocessor, ids, seed)
+    for mode in ("cold", "warm"):
+        if mode == "cold":
+            evict(paths[i] for i in ids)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, num_workers=workers,
+                                             persistent_workers=False)
+        batches = iter(loader)
+        first_images, first_labels = next(batches)  # worker start-up is not part of the rate
+        step(first_images, first_labels)
+        t0 = time.perf_counter()
+        for batch_images, batch_labels in batches:
+            step(batch_images, batch_labels)
+        rates[mode] = (n - len(first_labels)) / (time.perf_counter() - t0)
+    return rates
+
+
+def sample_ids(total: Sequence[int] | np.ndarray, count: int, seed: int) -> list[int]:
+    """A fixed random sample of ``count`` ids (all of them if fewer)."""
+    total = np.asarray(total)
+    if count >= len(total):
+        return [int(i) for i in total]
+    return sorted(int(i) for i in np.random.default_rng(seed).choice(total, size=count, replace=False))
+
+
+def describe_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config values worth printing (no DataSpec, no private keys)."""
+    return {k: v for k, v in config.items() if k != "data" and not k.startswith("__")}

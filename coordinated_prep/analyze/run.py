@@ -1,0 +1,165 @@
+"""``coordprep analyze``: measure an experiment's input pipeline and predict what would help.
+
+The steps, all on the experiment's own dataset, pipeline and trainable:
+
+1. bandwidths: the disk's (sequential, cold), the dataset's files read cold, and memory's;
+2. per-sample costs on one core: reading from the page cache, decoding and augmenting;
+3. the trainable's training step on synthetic in-memory batches (its maximum ingestion rate);
+4. the three DS-Analyzer runs, end to end with a ``DataLoader``: synthetic, cold cache, warm cache;
+   their differences are the prep stall (warm - synthetic) and fetch stall (cold - warm) per epoch;
+5. the model of :mod:`coordinated_prep.analyze.model` fed with 1-3, checked against 4 and asked
+   what-if questions: cache size, CPU cores, and N concurrent trials with and without coordination.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from typing import Any, Mapping
+
+from coordinated_prep.analyze import measure
+from coordinated_prep.analyze.model import Rates, predict, stalls
+from coordinated_prep.backends import make_preprocessor
+from coordinated_prep.errors import ConfigError
+from coordinated_prep.plan import holdout_split
+from coordinated_prep.sources import open_source
+from coordinated_prep.sweep.config import Dimension, SweepConfig
+
+logger = logging.getLogger(__name__)
+
+CACHE_FRACTIONS = tuple(i / 10 for i in range(11))
+CORES = (1, 2, 4, 8, 16, 32)
+TRIALS = (1, 2, 4, 8, 16)
+
+
+def representative_config(cfg: SweepConfig) -> dict[str, Any]:
+    """One concrete trial config: the first choice or grid value, the middle of a range."""
+    config: dict[str, Any] = {}
+    for key, value in cfg.search_space.items():
+        if isinstance(value, Dimension):
+            low, *rest = value.args
+            if value.kind in ("choice", "grid"):
+                value = low
+            elif value.kind == "loguniform":
+                value = math.sqrt(low * rest[0])
+            elif value.kind == "uniform":
+                value = (low + rest[0]) / 2
+            else:  # randint: [low, high)
+                value = (low + rest[0] - 1) // 2
+        config[key] = value
+    config["data"] = cfg.data
+    return config
+
+
+def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, step_ms: float | None = None,
+            disk_probe_bytes: int = 128 * 2**20) -> dict[str, Any]:
+    """Run the analysis of ``cfg``; returns the report (see :func:`write_report` for the files).
+
+    Args:
+        cfg: The experiment, as ``coordprep sweep`` would run it.
+        samples: Training samples measured (a fixed random subset; all if the split is smaller).
+        cores: CPU cores available for preparation (default: this machine's).
+        step_ms: Replace the trainable's step with a simulated accelerator taking this long per
+            batch without using the CPU; required for trainables without a registered model.
+        disk_probe_bytes: Size of the scratch file for the sequential disk bandwidth.
+
+    Raises:
+        ConfigError: A trainable without a model and no ``step_ms``, or bad arguments.
+    """
+    if samples < 2:
+        raise ConfigError(f"analyze: --samples={samples} must be at least 2")
+    cores = cores or os.cpu_count() or 1
+    spec = cfg.data
+    source = open_source(spec.dataset)
+    paths = getattr(source, "paths", None)
+    if paths is None:
+        raise ConfigError(f"analyze: dataset {spec.dataset!r} is not file-backed, so its cache cannot be evicted")
+    config = representative_config(cfg)
+    batch_size = int(config.get("batch_size", 64))
+    step = _step(cfg, config, len(source.classes), step_ms)
+    preprocessor = make_preprocessor(spec.pipeline)  # type: ignore[arg-type]
+    train_ids, _ = holdout_split(len(source), spec.holdout)
+    ids = measure.sample_ids(train_ids, samples, spec.seed)
+    size = spec.pipeline.size  # type: ignore[union-attr]
+    logger.info("analyze: measuring bandwidths")
+    scratch = os.path.dirname(os.path.abspath(paths[0]))
+    disk_seq = measure.disk_bandwidth(scratch if os.access(scratch, os.W_OK) else os.getcwd(), disk_probe_bytes)
+    memory = measure.memory_bandwidth()
+    logger.info("analyze: measuring per-sample costs on %d samples", len(ids))
+    reads = measure.read_costs(source, paths, ids)
+    prep_s = measure.prep_cost(source, preprocessor, ids, spec.seed)
+    logger.info("analyze: the three runs (synthetic, cold cache, warm cache) with %d DataLoader workers", cores)
+    runs = measure.end_to_end_rates(step, source, preprocessor, paths, ids, spec.seed, size, batch_size, cores)
+    n = len(ids)
+    sample_bytes = reads["bytes"] / n
+    rates = Rates(
+        samples=len(train_ids), sample_bytes=sample_bytes, compute_rate=runs["synthetic"], read_s=reads["warm_s"] / n,
+        cold_read_s=max(0.0, reads["cold_s"] - reads["warm_s"]) / n, prep_s=prep_s, disk_bandwidth=disk_seq,
+        serve_s=3 * size * size / memory,
+    )
+    epoch = len(train_ids)
+    measured_epoch = {mode: epoch / rate for mode, rate in runs.items()}
+    predicted = stalls(rates, cores)
+    report = {
+        "experiment": cfg.path, "trainable": cfg.trainable, "dataset": spec.dataset,
+        "config": measure.describe_config(config), "batch_size": batch_size, "cores": cores,
+        "samples_measured": n, "samples_per_epoch": epoch, "step": f"simulated {step_ms} ms" if step_ms else "model",
+        "bandwidth": {"disk_sequential_bytes_s": disk_seq, "dataset_cold_read_bytes_s": reads["bytes"] / max(reads["cold_s"], 1e-9),
+                      "page_cache_read_bytes_s": reads["bytes"] / max(reads["warm_s"], 1e-9),
+                      "memory_copy_bytes_s": memory},
+        "per_sample": {"encoded_bytes": sample_bytes, "read_warm_s": rates.read_s, "read_cold_s": reads["cold_s"] / n,
+                       "decode_augment_s": prep_s, "serve_copy_s": rates.serve_s},
+        "rates": dataclasses.asdict(rates),
+        "runs": {mode: {"measured_samples_s": runs[mode], "measured_epoch_s": measured_epoch[mode],
+                        "predicted_epoch_s": predicted[f"{mode}_s"]} for mode in ("synthetic", "warm", "cold")},
+        "stalls_per_epoch": {
+            "measured": {"prep_stall_s": max(0.0, measured_epoch["warm"] - measured_epoch["synthetic"]),
+                         "fetch_stall_s": max(0.0, measured_epoch["cold"] - measured_epoch["warm"])},
+            "predicted": {"prep_stall_s": predicted["prep_stall_s"], "fetch_stall_s": predicted["fetch_stall_s"]},
+        },
+        "whatif": {
+            "cache": [_row(predict(rates, cores=cores, cache_fraction=f)) for f in CACHE_FRACTIONS],
+            "cores": [_row(predict(rates, cores=c, cache_fraction=1.0)) for c in CORES],
+            "trials": [_row(predict(rates, trials=t, cores=cores, cache_fraction=1.0, coordinated=co))
+                       for t in TRIALS for co in (False, True)],
+        },
+        "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    return report
+
+
+def _row(p: Any) -> dict[str, Any]:
+    return dataclasses.asdict(p)
+
+
+def _step(cfg: SweepConfig, config: Mapping[str, Any], num_classes: int, step_ms: float | None):
+    """The per-batch training step: the trainable's model, or a simulated accelerator."""
+    if step_ms is not None:
+        if not step_ms > 0:
+            raise ConfigError(f"analyze: --step-ms={step_ms} must be positive")
+
+        def simulated(images: Any, labels: Any) -> None:
+            time.sleep(step_ms / 1000)  # a stand-in for an accelerator step: no CPU used
+
+        return simulated
+    try:
+        from trainables import MODELS
+    except ImportError:  # trainables/ is not importable from here
+        MODELS = {}
+    if cfg.trainable not in MODELS:
+        raise ConfigError(f"analyze: {cfg.path}: trainable {cfg.trainable!r} has no registered model "
+                          f"({sorted(MODELS)}); pass --step-ms to time a simulated accelerator step instead")
+    import torch
+
+    from trainables.common import make_optimizer, train_step
+
+    torch.set_num_threads(int(config.get("torch_threads", 1)))
+    torch.manual_seed(0)
+    model = MODELS[cfg.trainable](num_classes, config)
+    optimizer = make_optimizer(model, config)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    device = torch.device("cpu")
+    return lambda images, labels: train_step(model, optimizer, loss_fn, images, labels, device)
