@@ -37,6 +37,10 @@ def test_a_tiny_sweep_prints_and_writes_its_summary(ray_session, small_dataset, 
     summary = json.loads((tmp_path / "runs" / "tiny" / "summary.json").read_text())
     assert len(summary["trials"]) == 3 and summary["best_trial"]["accuracy"] is not None
     [group] = summary["groups"].values()
-    assert group["samples_served"] >= 3 * 2 * group["samples_per_epoch"]
+    assert group["samples_served"] == 3 * 2 * group["samples_per_epoch"], "the trials declared their 2 epochs"
+    assert group["samples_prepared"] <= 3 * 2 * group["samples_per_epoch"]
+    assert all(group[stage] > 0 for stage in ("fetch_s", "transform_s", "put_s")), group
+    assert all(0 <= t["stall_fraction"] <= 1 for t in summary["trials"])
+    assert "put s" in out and "stall" in out
     assert group["samples_prepared"] >= group["samples_per_epoch"] and group["coordinators"] >= 1
     assert all(t["stall_fraction"] is not None for t in summary["trials"])

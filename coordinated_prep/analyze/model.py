@@ -14,8 +14,8 @@ an LRU page cache smaller than the dataset is thrashed by concurrent readers, th
 VLDB 2021 paper measured). Coordinated trials do it once, plus one copy of every prepared sample
 per trial out of shared memory (``serve_s``).
 
-Every prediction is monotone: more cache, more cores, or coordination never predicts less
-throughput. ``tests/analyze/test_model.py`` checks it over random rates.
+More cache or more cores never predicts less throughput, and no prediction exceeds what the
+trials' compute can ingest; ``tests/test_analyze_model.py`` checks both over random rates.
 """
 
 from __future__ import annotations

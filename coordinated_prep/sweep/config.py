@@ -22,6 +22,7 @@ Schema (every key but ``trainable`` and ``search_space`` is optional)::
     mode: max
     scheduler: {type: asha, grace_period: 1, reduction_factor: 2}   # or {type: fifo}
     ray: {num_cpus: 2, object_store_memory: 1073741824}             # passed to ray.init
+    # also include_dashboard, dashboard_host, metrics_export_port (Prometheus endpoint of the node)
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ SCHEDULER_KEYS = {"fifo": ("type",), "asha": ("type", "grace_period", "reduction
 #: What the registered trainables need of their search space: (integer?, lowest value, required?).
 TRAINABLE_KEYS = {"lr": (False, 0.0, True), "batch_size": (True, 1, True), "epochs": (True, 1, True),
                   "width": (True, 1, False)}
-RAY_KEYS = ("num_cpus", "object_store_memory", "include_dashboard", "dashboard_host")
+RAY_KEYS = ("num_cpus", "object_store_memory", "include_dashboard", "dashboard_host", "metrics_export_port")
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1) -> dict[str, Any]:
 
     if not ray.is_initialized():
         init = {"dashboard_host": "127.0.0.1", "include_dashboard": False, **cfg.ray}
+        if "metrics_export_port" in init:  # ray.init spells it with a leading underscore
+            init["_metrics_export_port"] = init.pop("metrics_export_port")
         ray.init(**init)
     searcher = CoordinatedSearcher(max_concurrent=cfg.max_concurrent_trials)
     storage = os.path.abspath(cfg.storage_path)

@@ -1,0 +1,75 @@
+"""coordprep analyze end to end on a small dataset: terminal table, JSON with every field, PNG."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from coordinated_prep.cli import main
+
+FIELDS = {"experiment", "trainable", "dataset", "config", "batch_size", "cores", "samples_measured",
+          "samples_per_epoch", "step", "bandwidth", "per_sample", "rates", "runs", "stalls_per_epoch", "whatif",
+          "created", "files"}
+
+
+def _experiment(tmp_path, dataset: str, trainable: str = "small_cnn") -> str:
+    path = tmp_path / "exp.yaml"
+    path.write_text(textwrap.dedent(f"""
+        name: probe
+        storage_path: {tmp_path / "runs"}
+        trainable: {trainable}
+        data: {{dataset: {dataset}, pipeline: {{size: 32}}}}
+        search_space: {{lr: {{loguniform: [0.01, 0.1]}}, batch_size: {{choice: [16, 32]}}, width: 4, epochs: 1}}
+    """))
+    return str(path)
+
+
+def test_analyze_writes_every_field_and_monotone_predictions(small_dataset, tmp_path, capsys):
+    assert main(["analyze", _experiment(tmp_path, small_dataset), "--samples", "96", "--cores", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Stalls per epoch" in out and "coordinated samples/s" in out
+    report = json.loads((tmp_path / "runs" / "probe" / "analysis" / "analysis.json").read_text())
+    assert FIELDS <= set(report), FIELDS - set(report)
+    assert report["samples_measured"] == 96 and report["batch_size"] == 16 and report["config"]["width"] == 4
+    assert all(v > 0 for v in report["bandwidth"].values())
+    assert report["per_sample"]["decode_augment_s"] > 0 and report["per_sample"]["encoded_bytes"] > 0
+    for mode in ("synthetic", "warm", "cold"):
+        run = report["runs"][mode]
+        assert run["measured_samples_s"] > 0 and run["predicted_epoch_s"] > 0
+    for kind in ("measured", "predicted"):
+        assert set(report["stalls_per_epoch"][kind]) == {"prep_stall_s", "fetch_stall_s"}
+        assert all(v >= 0 for v in report["stalls_per_epoch"][kind].values())
+    cache = [row["throughput"] for row in report["whatif"]["cache"]]
+    cores = [row["throughput"] for row in report["whatif"]["cores"]]
+    assert len(cache) == 11 and all(a <= b * (1 + 1e-9) for a, b in zip(cache, cache[1:])), cache
+    assert all(a <= b * (1 + 1e-9) for a, b in zip(cores, cores[1:])), cores
+    trials = {(row["trials"], row["coordinated"]) for row in report["whatif"]["trials"]}
+    assert trials == {(n, c) for n in (1, 2, 4, 8, 16) for c in (False, True)}
+    png = tmp_path / "runs" / "probe" / "analysis" / "analysis.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_a_simulated_step_makes_the_pipeline_the_bottleneck(small_dataset, tmp_path, capsys):
+    out = tmp_path / "sim"
+    assert main(["analyze", _experiment(tmp_path, small_dataset), "--samples", "64", "--step-ms", "1",
+                 "--out", str(out)]) == 0
+    report = json.loads((out / "analysis.json").read_text())
+    assert report["step"] == "simulated 1.0 ms"
+    # 16 samples per 1 ms step: about 16,000 samples/s, beyond what one core reads and decodes.
+    assert report["whatif"]["cores"][0]["bottleneck"] == "workers"
+
+
+def test_a_trainable_without_a_model_needs_step_ms(small_dataset, tmp_path, capsys):
+    path = _experiment(tmp_path, small_dataset, trainable="tests.recording:record")
+    assert main(["analyze", path, "--samples", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "tests.recording:record" in err and "--step-ms" in err
+
+
+@pytest.mark.parametrize("args, named", [(["--samples", "1"], "--samples"), (["--cores", "0"], "--cores"),
+                                         (["--step-ms", "0"], "--step-ms")])
+def test_bad_arguments_are_named(small_dataset, tmp_path, capsys, args, named):
+    assert main(["analyze", _experiment(tmp_path, small_dataset), *args]) == 2
+    assert named in capsys.readouterr().err

@@ -1,0 +1,69 @@
+"""The what-if model of coordprep analyze: pure, so checked over random measured rates."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinated_prep.analyze.model import Rates, predict, stalls
+
+positive = st.floats(1e-6, 1e6, allow_nan=False, allow_infinity=False)
+costs = st.floats(0.0, 1.0, allow_nan=False, allow_infinity=False)
+rates_st = st.builds(Rates, samples=st.integers(1, 10**7), sample_bytes=positive, compute_rate=positive,
+                     read_s=costs, cold_read_s=costs, prep_s=costs, disk_bandwidth=positive, serve_s=costs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rates=rates_st, cores=st.integers(1, 64), trials=st.integers(1, 16), coordinated=st.booleans())
+def test_more_cache_never_predicts_less_throughput(rates, cores, trials, coordinated):
+    seq = [predict(rates, trials=trials, cores=cores, cache_fraction=f / 10, coordinated=coordinated).throughput
+           for f in range(11)]
+    assert all(a <= b * (1 + 1e-9) for a, b in zip(seq, seq[1:])), seq
+
+
+@settings(max_examples=300, deadline=None)
+@given(rates=rates_st, f=st.floats(0, 1), trials=st.integers(1, 16), coordinated=st.booleans())
+def test_more_cores_never_predict_less_throughput(rates, f, trials, coordinated):
+    seq = [predict(rates, trials=trials, cores=c, cache_fraction=f, coordinated=coordinated).throughput
+           for c in (1, 2, 4, 8, 16)]
+    assert all(a <= b * (1 + 1e-9) for a, b in zip(seq, seq[1:])), seq
+
+
+@settings(max_examples=300, deadline=None)
+@given(rates=rates_st, f=st.floats(0, 1), trials=st.integers(1, 16), cores=st.integers(1, 64))
+def test_throughput_is_bounded_by_compute_and_stalls_are_not_negative(rates, f, trials, cores):
+    p = predict(rates, trials=trials, cores=cores, cache_fraction=f, coordinated=True)
+    assert p.throughput <= trials * rates.compute_rate * (1 + 1e-9)
+    s = stalls(rates, cores)
+    assert s["prep_stall_s"] >= 0 and s["fetch_stall_s"] >= 0
+
+
+def test_coordination_multiplies_a_prep_bound_sweep_and_not_a_compute_bound_one():
+    prep_bound = Rates(samples=1000, sample_bytes=1e5, compute_rate=10_000, read_s=1e-5, cold_read_s=1e-4,
+                       prep_s=1e-2, disk_bandwidth=1e9, serve_s=1e-5)
+    alone = predict(prep_bound, trials=8, cores=2, coordinated=False)
+    shared = predict(prep_bound, trials=8, cores=2, coordinated=True)
+    assert alone.bottleneck == shared.bottleneck == "workers"
+    assert shared.throughput / alone.throughput == pytest.approx(8 * 1e-2 / (1e-2 + 1e-5 + 8 * 1e-5), rel=1e-3)
+    compute_bound = Rates(samples=1000, sample_bytes=1e5, compute_rate=10, read_s=1e-5, cold_read_s=1e-4,
+                          prep_s=1e-3, disk_bandwidth=1e9, serve_s=1e-5)
+    assert predict(compute_bound, trials=4, cores=2, coordinated=True).throughput == pytest.approx(40)
+    assert predict(compute_bound, trials=4, cores=2).bottleneck == "compute"
+
+
+def test_cold_cache_becomes_disk_bound_on_a_slow_disk():
+    slow_disk = Rates(samples=1000, sample_bytes=1e6, compute_rate=1e5, read_s=0, cold_read_s=0, prep_s=1e-4,
+                      disk_bandwidth=1e7, serve_s=0)
+    cold, warm = predict(slow_disk, cores=4, cache_fraction=0.0), predict(slow_disk, cores=4, cache_fraction=1.0)
+    assert cold.bottleneck == "disk" and cold.disk_s == pytest.approx(100.0)
+    assert warm.bottleneck == "workers" and stalls(slow_disk, 4)["fetch_stall_s"] == pytest.approx(100.0 - 0.025)
+
+
+@pytest.mark.parametrize("field, value", [("samples", 0), ("compute_rate", -1.0), ("prep_s", -0.1)])
+def test_bad_rates_are_named(field, value):
+    values = dict(samples=10, sample_bytes=1.0, compute_rate=1.0, read_s=0.0, cold_read_s=0.0, prep_s=0.0,
+                  disk_bandwidth=1.0, serve_s=0.0)
+    values[field] = value
+    with pytest.raises(ValueError, match=field):
+        Rates(**values)
