@@ -7,7 +7,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from coordinated_prep.contracts import DataSource, Preprocessor
+from coordinated_prep.contracts import BatchPreprocessor, DataSource, Preprocessor
 from coordinated_prep.errors import SampleError
 
 
@@ -27,6 +27,7 @@ class ChunkTiming(NamedTuple):
     transform_s: float  # decoding and augmenting
     skipped: tuple[tuple[int, str, str], ...] = ()  # (index, path, reason) under on_error="skip"
     finished_at: float = 0.0  # wall-clock time (time.time) the prep actor finished; 0 when unset
+    cpu_s: float = 0.0  # CPU seconds of the preparing process (threads included); 0 when unset
 
 
 def prepare_chunk(
@@ -35,34 +36,50 @@ def prepare_chunk(
 ) -> tuple[PreparedChunk, ChunkTiming]:
     """Read, decode and augment the samples ``indices`` for stream epoch ``epoch``.
 
-    With ``on_error="skip"`` a sample that cannot be read or decoded is left out of the piece (so
-    every trial reading the piece leaves it out alike) and reported in the timing's ``skipped``.
+    All samples are read first (the fetch stage), then transformed: in one call for a
+    :class:`BatchPreprocessor` (DALI), else one by one. With ``on_error="skip"`` a sample that cannot
+    be read or decoded is left out of the piece (so every trial reading the piece leaves it out
+    alike) and reported in the timing's ``skipped``; a failed batch is retried sample by sample to
+    find the culprit.
 
     Raises:
         SampleError: With ``on_error="raise"``, a sample's file cannot be read or decoded; names the
             index and the file.
     """
-    images = np.empty((len(indices), 3, size, size), dtype=np.uint8)
-    kept: list[int] = []
     skipped: list[tuple[int, str, str]] = []
-    fetch_s = transform_s = 0.0
+    t0 = time.perf_counter()
+    blobs: list[tuple[int, bytes]] = []
     for index in indices.tolist():
-        t0 = time.perf_counter()
         try:
-            data = source.read(index)
-            t1 = time.perf_counter()
-            try:
-                images[len(kept)] = preprocessor.train(data, seed, epoch, index)
-            except Exception as e:  # decoders raise RuntimeError/ValueError/OSError: name the file
-                raise SampleError(index, source.describe(index), f"cannot decode or transform: {e}") from e
+            blobs.append((index, source.read(index)))
         except SampleError as e:
             if on_error == "raise":
                 raise
             skipped.append((e.index, e.path, e.reason))
-            continue
-        kept.append(index)
-        transform_s += time.perf_counter() - t1
-        fetch_s += t1 - t0
+    t1 = time.perf_counter()
+    images: np.ndarray | None = None
+    kept: list[int] = []
+    if isinstance(preprocessor, BatchPreprocessor) and blobs:
+        try:
+            images = preprocessor.train_batch([d for _, d in blobs], seed, epoch, [i for i, _ in blobs])
+            kept = [i for i, _ in blobs]
+        except Exception:  # one bad sample fails the whole batch: find it sample by sample below
+            images = None
+    if images is None:
+        images = np.empty((len(blobs), 3, size, size), dtype=np.uint8)
+        kept = []
+        for index, data in blobs:
+            try:
+                images[len(kept)] = preprocessor.train(data, seed, epoch, index)
+            except Exception as e:  # decoders raise RuntimeError/ValueError/OSError: name the file
+                error = SampleError(index, source.describe(index), f"cannot decode or transform: {e}")
+                if on_error == "raise":
+                    raise error from e
+                skipped.append((error.index, error.path, error.reason))
+                continue
+            kept.append(index)
+        images = images[: len(kept)]
+    fetch_s, transform_s = t1 - t0, time.perf_counter() - t1
     ids = np.asarray(kept, dtype=np.int64)
-    chunk = PreparedChunk(images[: len(kept)], source.labels[ids], ids, epoch)
+    chunk = PreparedChunk(images, source.labels[ids], ids, epoch)
     return chunk, ChunkTiming(fetch_s, transform_s, tuple(skipped))

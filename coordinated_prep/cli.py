@@ -1,4 +1,4 @@
-"""The ``coordprep`` command: ``coordprep sweep|analyze experiments/default.yaml``."""
+"""The ``coordprep`` command: ``coordprep sweep|analyze|bench <experiment.yaml>``."""
 
 from __future__ import annotations
 
@@ -25,10 +25,16 @@ def main(argv: list[str] | None = None) -> int:
     analyze.add_argument("--cores", type=int, help="CPU cores for preparation (default: this machine's)")
     analyze.add_argument("--step-ms", type=float, help="time a simulated accelerator step of this many ms per "
                                                        "batch instead of the trainable's model")
+    bench = sub.add_parser("bench", help="benchmark coordinated prep against a DataLoader and DALI per trial")
+    bench.add_argument("experiment", nargs="?", default="experiments/bench.yaml",
+                       help="the benchmark's YAML file (default experiments/bench.yaml)")
+    bench.add_argument("--trials", help="comma-separated concurrent trial counts, overriding the file (e.g. 1,4)")
+    bench.add_argument("--out", help="directory for bench.csv and bench.png (default <storage_path>/<name>)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    commands = {"sweep": _sweep, "analyze": _analyze, "bench": _bench}
     try:
-        return _analyze(args) if args.command == "analyze" else _sweep(args)
+        return commands[args.command](args)
     except CoordinatedPrepError as e:
         sys.stderr.write(f"coordprep: error: {e}\n")
         return 2
@@ -63,6 +69,34 @@ def _analyze(args: argparse.Namespace) -> int:
     out = args.out or os.path.join(cfg.storage_path, cfg.name, "analysis")
     paths = write_report(report, out)
     sys.stdout.write(format_report(report) + f"\n\nWritten: {paths['json']} and {paths['png']}\n")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import dataclasses
+    import os
+    import platform
+
+    from coordinated_prep.bench.config import load_bench
+    from coordinated_prep.bench.report import format_rows, write_outputs
+    from coordinated_prep.bench.run import run_bench
+
+    cfg = load_bench(args.experiment)
+    if args.trials:
+        try:
+            cfg = dataclasses.replace(cfg, trials=tuple(int(n) for n in args.trials.split(",")))
+        except ValueError:
+            raise ConfigError(f"bench: --trials={args.trials!r} must be comma-separated integers, e.g. 1,2,4,8") from None
+    machine = f"{platform.node()}: {cfg.cores} cores, {platform.processor() or platform.machine()}"
+
+    def progress(row: dict) -> None:
+        sys.stdout.write(format_rows([row]).splitlines()[-1] + "\n")
+        sys.stdout.flush()
+
+    rows = run_bench(cfg, progress)
+    out = args.out or os.path.join(cfg.storage_path, cfg.name)
+    paths = write_outputs(rows, out, f"coordprep bench ({machine}; batch {cfg.batch_size}, {cfg.size} px crops)")
+    sys.stdout.write("\n" + format_rows(rows) + f"\n\nMachine: {machine}\nWritten: {paths['csv']} and {paths['png']}\n")
     return 0
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -43,4 +43,13 @@ class Preprocessor(Protocol):
 
     def eval(self, data: bytes) -> np.ndarray:
         """Decode, resize and centre-crop one evaluation sample."""
+        ...
+
+
+@runtime_checkable
+class BatchPreprocessor(Preprocessor, Protocol):
+    """A preprocessor that also prepares many samples in one call (DALI works a batch at a time)."""
+
+    def train_batch(self, datas: Sequence[bytes], seed: int, epoch: int, indices: Sequence[int]) -> np.ndarray:
+        """Decode and augment ``datas`` into uint8 (n, 3, size, size), aligned with ``indices``."""
         ...

@@ -83,7 +83,7 @@ class Coordinator:
             "lookahead": lookahead,
             "samples_per_epoch": self.plan.samples_per_epoch, "chunks_per_epoch": self.plan.chunks_per_epoch,
             "pieces_prepared": 0, "samples_prepared": 0, "samples_served": 0, "pieces_failed": 0,
-            "fetch_s": 0.0, "transform_s": 0.0, "put_s": 0.0, "trials_joined": 0, "evictions": 0,
+            "fetch_s": 0.0, "transform_s": 0.0, "put_s": 0.0, "prep_cpu_s": 0.0, "trials_joined": 0, "evictions": 0,
             "samples_skipped": 0,
         }
         self.group = spec.group_key
@@ -282,6 +282,7 @@ class Coordinator:
             self.stats["fetch_s"] += timing.fetch_s
             self.stats["transform_s"] += timing.transform_s
             self.stats["put_s"] += put_s
+            self.stats["prep_cpu_s"] += timing.cpu_s
         finally:
             self.in_flight -= 1
             await self._notify()

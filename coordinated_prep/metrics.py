@@ -17,8 +17,10 @@ metrics export port (Ray adds its ``ray_`` prefix there; counters gain ``_total`
 | ``coordprep_data_wait_seconds`` | counter | group, trial | the trial's loader: time blocked on data |
 | ``coordprep_batches`` | counter | group, trial | the trial's loader |
 
-Metric objects are created lazily in the process that records them (creating one outside a
-Ray worker fails), and recording never raises: metrics are an observer, not a dependency.
+Metric objects are created lazily in the process that records them, and recording never
+raises: metrics are an observer, not a dependency. Each process exports on Ray's report interval
+(``metrics_report_interval_ms``), so what a trial records in its last interval before its process
+exits may never reach the endpoint; the coordinator's counters are complete while it lives.
 """
 
 from __future__ import annotations

@@ -37,10 +37,11 @@ class PrepActor:
     def prepare(self, epoch: int, indices: np.ndarray) -> tuple[ChunkTiming, PreparedChunk]:
         """Prepare one piece. Returns (timing, piece) as two objects: the coordinator awaits the
         small first one and never pulls the images into its own process."""
+        cpu = time.process_time()
         chunk, timing = prepare_chunk(
             self._source, self._preprocessor, self._spec.seed, epoch, indices,
             self._spec.pipeline.size, self._spec.on_error,  # type: ignore[union-attr]
         )
         # The put stage (serialising into the object store) happens after this returns; the
         # coordinator measures it as the time from here until it learns the task finished.
-        return timing._replace(finished_at=time.time()), chunk
+        return timing._replace(finished_at=time.time(), cpu_s=time.process_time() - cpu), chunk

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 _CALL_TIMEOUT_S = 30.0
 _KEPT_INCARNATIONS = 50  # per group, the most recent coordinators' own counters kept in reports
 _SUMMED = ("samples_prepared", "samples_served", "pieces_prepared", "pieces_failed", "trials_joined",
-           "fetch_s", "transform_s", "put_s", "evictions")
+           "fetch_s", "transform_s", "put_s", "prep_cpu_s", "evictions")
 
 
 @dataclass

@@ -16,6 +16,7 @@ from coordinated_prep.registry import GroupRegistry
 logger = logging.getLogger(__name__)
 
 _CALL_TIMEOUT_S = 60.0
+_PENDING_WITHOUT_LIMIT = 200  # what Tune allows a BasicVariantGenerator on a small cluster
 
 class CoordinatedSearcher(SearchAlgorithm):
     """Wraps a Tune search algorithm and shares data preparation among the trials it suggests.
@@ -48,7 +49,13 @@ class CoordinatedSearcher(SearchAlgorithm):
         else:
             raise ConfigError(f"CoordinatedSearcher: searcher={searcher!r} is not a Tune Searcher or SearchAlgorithm")
         self._inner = inner
-        self.searcher = getattr(inner, "searcher", None)  # Tune looks here for a ConcurrencyLimiter
+        # Tune lets only ONE trial be pending at a time for a SearchAlgorithm that is not a
+        # BasicVariantGenerator, unless it finds a ConcurrencyLimiter along `search_alg.searcher`
+        # (tune_controller._get_max_pending_trials): trials would start one by one, about a second
+        # apart, and short trials would miss each other. So a limiter is always on that chain; when
+        # Tune's own generator does the searching, it is a marker that only carries the number.
+        self.searcher = getattr(inner, "searcher", None) or ConcurrencyLimiter(
+            Searcher(), max_concurrent=max_concurrent or _PENDING_WITHOUT_LIMIT)
         self.session = uuid.uuid4().hex[:8]
         self._registry: Any = None
 

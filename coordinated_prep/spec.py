@@ -11,9 +11,9 @@ from typing import Any, Literal, Mapping
 
 from coordinated_prep.errors import ConfigError
 
-Backend = Literal["torchvision"]
+Backend = Literal["torchvision", "dali"]
 OnError = Literal["raise", "skip"]
-BACKENDS: tuple[str, ...] = ("torchvision",)
+BACKENDS: tuple[str, ...] = ("torchvision", "dali")
 BUILTIN_PREFIX = "builtin:"
 
 

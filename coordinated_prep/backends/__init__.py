@@ -14,4 +14,8 @@ def make_preprocessor(pipeline: PipelineSpec) -> Preprocessor:
         from coordinated_prep.backends.torchvision_backend import TorchvisionPreprocessor
 
         return TorchvisionPreprocessor(pipeline)
+    if pipeline.backend == "dali":
+        from coordinated_prep.backends.dali_backend import DaliPreprocessor
+
+        return DaliPreprocessor(pipeline)
     raise ValueError(f"pipeline.backend={pipeline.backend!r} has no implementation")  # unreachable: spec checks

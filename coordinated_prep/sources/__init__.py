@@ -9,7 +9,7 @@ from coordinated_prep.errors import DatasetError
 from coordinated_prep.sources.imagefolder import ImageFolderSource
 from coordinated_prep.sources.shapes import ensure_shapes
 
-BUILTIN_DATASETS = ("builtin:shapes",)
+BUILTIN_DATASETS = ("builtin:shapes", "builtin:shapes-large")
 
 __all__ = ["BUILTIN_DATASETS", "ImageFolderSource", "open_source"]
 
@@ -22,9 +22,9 @@ def open_source(dataset: str) -> DataSource:
         DatasetError: Unknown builtin name, missing directory, or an unusable layout.
     """
     if dataset.startswith("builtin:"):
-        if dataset != "builtin:shapes":
+        if dataset not in BUILTIN_DATASETS:
             raise DatasetError(f"dataset {dataset!r}: unknown builtin dataset; choose one of {list(BUILTIN_DATASETS)}")
-        return ImageFolderSource(ensure_shapes())
+        return ImageFolderSource(ensure_shapes(variant=dataset.removeprefix("builtin:")))
     source = ImageFolderSource(dataset)
     if len(source) == 0:
         raise DatasetError(f"dataset {dataset!r} holds no images")

@@ -1,4 +1,8 @@
-"""The embedded default dataset: JPEG images of ten shape classes, generated on first use."""
+"""The embedded datasets: JPEG images of ten shape classes, generated on first use.
+
+``builtin:shapes`` (the default: 10 x 300 images of 160 x 160 px) and ``builtin:shapes-large``
+(10 x 60 images of 500 x 375 px, the size of an average ImageNet photo, for ``coordprep bench``).
+"""
 
 from __future__ import annotations
 
@@ -21,28 +25,34 @@ IMAGES_PER_CLASS = 300
 IMAGE_SIZE = 160
 _VERSION = 1
 
+#: name -> (width, height, images per class)
+VARIANTS: dict[str, tuple[int, int, int]] = {"shapes": (IMAGE_SIZE, IMAGE_SIZE, IMAGES_PER_CLASS),
+                                             "shapes-large": (500, 375, 60)}
+
 
 def cache_dir() -> str:
     """Where generated datasets live: ``$COORDPREP_CACHE`` or ``~/.cache/coordinated_prep``."""
     return os.environ.get("COORDPREP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "coordinated_prep")
 
 
-def ensure_shapes(root: str | None = None) -> str:
-    """Return the directory of ``builtin:shapes``, generating it once if it is missing.
+def ensure_shapes(root: str | None = None, variant: str = "shapes") -> str:
+    """Return the directory of ``builtin:<variant>``, generating it once if it is missing.
 
     Generation is deterministic and needs no network. It writes into a temporary sibling and
     renames it into place, so concurrent callers never see a half-written dataset; a caller
     that loses the race discards its copy.
     """
-    root = root or os.path.join(cache_dir(), f"shapes-v{_VERSION}")
+    width, height, per_class = VARIANTS[variant]
+    root = root or os.path.join(cache_dir(), f"{variant}-v{_VERSION}")
     if os.path.isdir(root):
         return root
     parent = os.path.dirname(root)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".shapes-", dir=parent)
-    logger.info("generating builtin:shapes (%d JPEGs) into %s", len(CLASSES) * IMAGES_PER_CLASS, root)
+    logger.info("generating builtin:%s (%d JPEGs of %d x %d px) into %s", variant, len(CLASSES) * per_class,
+                width, height, root)
     try:
-        _generate(tmp)
+        _generate(tmp, width, height, per_class)
         os.rename(tmp, root)
     except OSError:
         if not os.path.isdir(root):
@@ -52,28 +62,29 @@ def ensure_shapes(root: str | None = None) -> str:
     return root
 
 
-def _generate(out: str) -> None:
+def _generate(out: str, width: int, height: int, per_class: int) -> None:
     rng = np.random.default_rng(20211)
     for name in CLASSES:
         folder = os.path.join(out, name)
         os.makedirs(folder)
-        for i in range(IMAGES_PER_CLASS):
-            image = _draw(name, rng)
+        for i in range(per_class):
+            image = _draw(name, rng, width, height)
             image.save(os.path.join(folder, f"{name}_{i:04d}.jpg"), quality=90)
 
 
-def _draw(shape: str, rng: np.random.Generator) -> Image.Image:
-    s = IMAGE_SIZE
+def _draw(shape: str, rng: np.random.Generator, width: int, height: int) -> Image.Image:
+    s = min(width, height)
+    extent = np.array([width, height])
     base = rng.integers(0, 256, 3)
-    noise = rng.normal(0, 24, (s, s, 3)) + base
+    noise = rng.normal(0, 24, (height, width, 3)) + base
     image = Image.fromarray(np.clip(noise, 0, 255).astype(np.uint8)).filter(ImageFilter.GaussianBlur(1.5))
     draw = ImageDraw.Draw(image)
     for _ in range(3):  # distractor strokes, so that colour alone does not give the class away
-        xy = [tuple(int(v) for v in rng.integers(0, s, 2)) for _ in range(2)]
+        xy = [tuple(int(v) for v in rng.integers(0, s, 2) * extent // s) for _ in range(2)]
         draw.line(xy, fill=tuple(int(v) for v in rng.integers(0, 256, 3)), width=int(rng.integers(1, 4)))
     colour = tuple(int(v) for v in (base + rng.integers(90, 166, 3)) % 256)
     radius = rng.uniform(0.18, 0.36) * s
-    cx, cy = rng.uniform(radius + 4, s - radius - 4, 2)
+    cx, cy = rng.uniform(radius + 4, extent - radius - 4)
     angle = rng.uniform(0, 2 * math.pi)
     _SHAPES[shape](draw, cx, cy, radius, angle, colour, base)
     return image

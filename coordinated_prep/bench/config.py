@@ -1,0 +1,100 @@
+"""The benchmark's configuration: a frozen dataclass read from YAML (``experiments/bench.yaml``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from coordinated_prep.errors import ConfigError
+from coordinated_prep.sweep.yaml_loader import load_yaml
+
+#: The loaders compared, in the order the table prints them.
+LOADERS = ("dataloader", "dali", "coordinated-torchvision", "coordinated-dali")
+INDEPENDENT = ("dataloader", "dali")
+STEPS = ("simulated", "cnn")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What ``coordprep bench`` runs; every field has a default.
+
+    Attributes:
+        name: Output folder name under ``storage_path``.
+        storage_path: Where ``bench.csv`` and ``bench.png`` go (``<storage_path>/<name>/``).
+        dataset: JPEG dataset (default: 600 generated 500 x 375 px images).
+        size: Random-resized-crop output size.
+        batch_size: Samples per batch (and per piece for the coordinated loaders).
+        epochs: Epochs each trial reads.
+        trials: Concurrent trial counts to run.
+        loaders: Loaders to compare (see ``LOADERS``).
+        steps: ``simulated`` (a fixed sleep per batch standing in for an accelerator) and/or ``cnn``
+            (the small CNN trained on the CPU).
+        simulated_step_ms: Duration of the simulated step per batch.
+        cnn_trials: Trial counts for the CNN step (it is slow on a CPU).
+        cnn_batches: Batches per trial for the CNN step (0 = whole epochs).
+        cnn_width: Channel width of the small CNN.
+        cores: CPU cores for preparation (default: the machine's); independent loaders split them
+            evenly over the trials (at least one worker each), coordinated ones run one prep actor
+            per core.
+        object_store_mb: Ray object store size.
+    """
+
+    name: str = "bench"
+    storage_path: str = "runs"
+    dataset: str = "builtin:shapes-large"
+    size: int = 224
+    batch_size: int = 64
+    epochs: int = 2
+    trials: tuple[int, ...] = (1, 2, 4, 8)
+    loaders: tuple[str, ...] = LOADERS
+    steps: tuple[str, ...] = STEPS
+    simulated_step_ms: float = 10.0
+    cnn_trials: tuple[int, ...] = (1, 4)
+    cnn_batches: int = 4
+    cnn_width: int = 8
+    cores: int = field(default_factory=lambda: os.cpu_count() or 1)
+    object_store_mb: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("size", "batch_size", "epochs", "cores", "object_store_mb"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"bench.{name}={value!r} must be a positive integer")
+        if not isinstance(self.cnn_batches, int) or self.cnn_batches < 0:
+            raise ConfigError(f"bench.cnn_batches={self.cnn_batches!r} must be an integer >= 0")
+        for name in ("trials", "cnn_trials"):
+            value = getattr(self, name)
+            if not value or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in value):
+                raise ConfigError(f"bench.{name}={list(value)!r} must be a non-empty list of positive integers")
+        for name, allowed in (("loaders", LOADERS), ("steps", STEPS)):
+            value = getattr(self, name)
+            bad = [v for v in value if v not in allowed]
+            if not value or bad:
+                raise ConfigError(f"bench.{name}: {bad or 'empty'} not allowed; choose from {list(allowed)}")
+        if not self.simulated_step_ms > 0:
+            raise ConfigError(f"bench.simulated_step_ms={self.simulated_step_ms!r} must be positive")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], where: str = "bench") -> "BenchConfig":
+        """Build from YAML values, naming unknown keys."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(known)}")
+        converted = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+        return cls(**converted)
+
+
+def load_bench(path: str) -> BenchConfig:
+    """Read ``path``; every error names the file and the key."""
+    raw = load_yaml(path)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path}: the top level must be a mapping of bench keys")
+    try:
+        return BenchConfig.from_mapping(raw, where=path)
+    except ConfigError as e:
+        message = str(e)
+        raise ConfigError(message if message.startswith(path) else f"{path}: {message}") from None

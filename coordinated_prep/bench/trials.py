@@ -1,0 +1,174 @@
+"""The benchmark's Tune trainable: one trial reading with one of the four loaders.
+
+The independent loaders are what a user would write without this library: a
+``torch.utils.data.DataLoader`` over the files with the torchvision transforms, or a DALI
+pipeline with its own file reader and random crop. Both apply the same augmentation (random
+resized crop to ``size``, horizontal flip) to the same JPEGs as the coordinated loaders.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+import torch
+
+from coordinated_prep.backends import make_preprocessor
+from coordinated_prep.plan import holdout_split
+from coordinated_prep.sources import open_source
+from coordinated_prep.spec import DataSpec
+
+
+def bench_trial(config: Mapping[str, Any]) -> None:
+    """Read ``epochs`` epochs with ``config["loader"]``, run ``config["step"]`` per batch, report once.
+
+    Reports the samples read, the wall-clock window (``t_start``, ``t_end``, for the aggregate
+    rate), the seconds waiting for data and computing, and the CPU seconds the trial's own
+    preparation took (DataLoader workers, or DALI threads in this process).
+    """
+    from ray import tune
+
+    torch.set_num_threads(1)
+    spec: DataSpec = config["data"]
+    kind, epochs, batch = config["loader"], int(config["epochs"]), int(config["batch_size"])
+    step = _step(config, len(open_source(spec.dataset).classes))
+    limit = int(config.get("max_batches") or 0)
+    cpu0, children0 = time.process_time(), _children_cpu()
+    samples = 0
+    wait = compute = 0.0
+    loader = _loader(kind, config, spec, batch, epochs)
+    t_start = time.time()
+    for _ in range(epochs):
+        batches = iter(loader)
+        done = 0
+        while not limit or done < limit:
+            t0 = time.perf_counter()
+            item = next(batches, None)
+            t1 = time.perf_counter()
+            wait += t1 - t0
+            if item is None:
+                break
+            images, labels = item
+            step(images, labels)
+            compute += time.perf_counter() - t1
+            samples += len(labels)
+            done += 1
+    t_end = time.time()
+    private_prep_cpu = 0.0
+    if kind == "dataloader":
+        private_prep_cpu = _children_cpu() - children0  # the workers have exited: their CPU is counted
+    elif kind == "dali":
+        private_prep_cpu = max(0.0, time.process_time() - cpu0 - (compute if config["step"] == "cnn" else 0.0))
+    if hasattr(loader, "close"):
+        loader.close()
+    tune.report({"samples": samples, "t_start": t_start, "t_end": t_end, "data_wait_s": wait, "compute_s": compute,
+                 "stall_fraction": wait / max(wait + compute, 1e-9), "private_prep_cpu_s": private_prep_cpu})
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _step(config: Mapping[str, Any], num_classes: int):
+    if config["step"] == "simulated":
+        seconds = float(config["step_ms"]) / 1000
+
+        def simulated(images: torch.Tensor, labels: torch.Tensor) -> None:
+            time.sleep(seconds)  # an accelerator step: the CPU is free meanwhile
+
+        return simulated
+    from trainables import MODELS
+    from trainables.common import make_optimizer, train_step
+
+    torch.manual_seed(0)
+    model = MODELS["small_cnn"](num_classes, {"width": int(config.get("width", 8))})
+    optimizer = make_optimizer(model, {"lr": 0.05})
+    loss_fn = torch.nn.CrossEntropyLoss()
+    device = torch.device("cpu")
+    return lambda images, labels: train_step(model, optimizer, loss_fn, images, labels, device)
+
+
+def _loader(kind: str, config: Mapping[str, Any], spec: DataSpec, batch: int, epochs: int) -> Any:
+    workers = int(config["workers"])
+    if kind.startswith("coordinated"):
+        from coordinated_prep.loader import train_loader
+
+        return _Pairs(train_loader(config, batch, epochs=epochs))
+    source = open_source(spec.dataset)
+    train_ids, _ = holdout_split(len(source), spec.holdout)
+    if kind == "dataloader":
+        dataset = _FileDataset(source, make_preprocessor(spec.pipeline), train_ids, spec.seed)  # type: ignore[arg-type]
+        generator = torch.Generator().manual_seed(int(config.get("trial_index", 0)))
+        return torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers,
+                                           generator=generator, persistent_workers=False)
+    return _DaliReader(source, train_ids, spec, batch, workers, int(config.get("trial_index", 0)))
+
+
+class _Pairs:
+    """A coordinated TrainLoader yielding (images, labels) like the others."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for b in self.loader:
+            yield b.images, b.labels
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+class _FileDataset(torch.utils.data.Dataset):
+    """Map-style dataset: read the file, decode and augment with the torchvision backend."""
+
+    def __init__(self, source: Any, preprocessor: Any, ids: np.ndarray, seed: int) -> None:
+        self.source, self.preprocessor, self.ids, self.seed = source, preprocessor, ids, seed
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, k: int) -> tuple[torch.Tensor, int]:
+        i = int(self.ids[k])
+        return torch.from_numpy(self.preprocessor.train(self.source.read(i), self.seed, 0, i)), int(self.source.labels[i])
+
+
+class _DaliReader:
+    """A DALI pipeline as its documentation writes one: file reader, random-crop decoder, resize, flip."""
+
+    def __init__(self, source: Any, ids: np.ndarray, spec: DataSpec, batch: int, threads: int, seed: int) -> None:
+        from coordinated_prep.backends.dali_backend import import_dali
+
+        fn, types, pipeline_def = import_dali()
+        p = spec.pipeline
+        files = [source.paths[int(i)] for i in ids]
+        labels = [int(source.labels[int(i)]) for i in ids]
+        self.samples = len(files)
+        self.batch = batch
+
+        @pipeline_def(batch_size=batch, num_threads=threads, device_id=None, seed=seed + 1, prefetch_queue_depth=2)
+        def reader() -> Any:
+            jpegs, label = fn.readers.file(files=files, labels=labels, random_shuffle=True, name="reader")
+            images = fn.decoders.image_random_crop(jpegs, device="cpu", output_type=types.RGB,
+                                                   random_area=list(p.scale), random_aspect_ratio=list(p.ratio))
+            images = fn.resize(images, resize_x=p.size, resize_y=p.size, interp_type=types.INTERP_LINEAR,
+                               antialias=True)
+            images = fn.crop_mirror_normalize(images, dtype=types.UINT8, output_layout="CHW",
+                                              mirror=fn.random.coin_flip(probability=p.hflip))
+            return images, label
+
+        self.pipe = reader()
+        self.pipe.build()
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        left = self.samples
+        for _ in range(math.ceil(self.samples / self.batch)):
+            images, labels = self.pipe.run()
+            n = min(self.batch, left)
+            left -= n
+            yield (torch.from_numpy(images.as_array()[:n]),
+                   torch.from_numpy(labels.as_array()[:n].reshape(-1).astype(np.int64)))
