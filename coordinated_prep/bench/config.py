@@ -32,7 +32,8 @@ class BenchConfig:
             (the small CNN trained on the CPU).
         simulated_step_ms: Duration of the simulated step per batch.
         cnn_trials: Trial counts for the CNN step (it is slow on a CPU).
-        cnn_batches: Batches per trial for the CNN step (0 = whole epochs).
+        cnn_batches: Batches per trial for the CNN step (0 = whole epochs; else at least 2, since
+            the first batch of every trial counts as start-up).
         cnn_width: Channel width of the small CNN.
         cores: CPU cores for preparation (default: the machine's); independent loaders split them
             evenly over the trials (at least one worker each), coordinated ones run one prep actor
@@ -61,8 +62,9 @@ class BenchConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"bench.{name}={value!r} must be a positive integer")
-        if not isinstance(self.cnn_batches, int) or self.cnn_batches < 0:
-            raise ConfigError(f"bench.cnn_batches={self.cnn_batches!r} must be an integer >= 0")
+        if not isinstance(self.cnn_batches, int) or self.cnn_batches < 0 or self.cnn_batches == 1:
+            raise ConfigError(f"bench.cnn_batches={self.cnn_batches!r} must be 0 (whole epochs) or at least 2 "
+                              "(the first batch counts as start-up, not throughput)")
         for name in ("trials", "cnn_trials"):
             value = getattr(self, name)
             if not value or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in value):

@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 from coordinated_prep.sweep.summary import _table
 
 COLUMNS = ("step", "loader", "trials", "samples_per_s", "vs_best_independent", "prep_cpu_s",
-           "prep_cpu_ms_per_sample_read", "prep_work_x", "peak_staging_bytes", "stall_fraction", "samples",
+           "prep_cpu_ms_per_sample_read", "prep_work_x", "peak_staging_bytes", "stall_fraction", "startup_s", "samples", "samples_read",
            "window_s", "workers_per_trial")
 
 
@@ -19,11 +19,11 @@ def format_rows(rows: Sequence[Mapping[str, Any]]) -> str:
         return fmt.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
 
     return _table(
-        ["step", "loader", "N", "samples/s", "vs best indep.", "prep CPU ms/sample", "prep work", "peak MiB", "stall"],
+        ["step", "loader", "N", "samples/s", "vs best indep.", "prep CPU ms/sample", "prep work", "peak MiB", "stall", "start-up s"],
         [[r["step"], r["loader"], r["trials"], num(r["samples_per_s"], "{:.0f}"),
           num(r.get("vs_best_independent"), "{:.2f}x"), num(r["prep_cpu_ms_per_sample_read"], "{:.2f}"),
           num(r["prep_work_x"], "{:.2f}x"), num(r["peak_staging_bytes"] / 2**20, "{:.0f}"),
-          num(r["stall_fraction"], "{:.2f}")] for r in rows],
+          num(r["stall_fraction"], "{:.2f}"), num(r.get("startup_s"), "{:.1f}")] for r in rows],
     )
 
 

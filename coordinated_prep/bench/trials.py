@@ -25,9 +25,11 @@ from coordinated_prep.spec import DataSpec
 def bench_trial(config: Mapping[str, Any]) -> None:
     """Read ``epochs`` epochs with ``config["loader"]``, run ``config["step"]`` per batch, report once.
 
-    Reports the samples read, the wall-clock window (``t_start``, ``t_end``, for the aggregate
-    rate), the seconds waiting for data and computing, and the CPU seconds the trial's own
-    preparation took (DataLoader workers, or DALI threads in this process).
+    Reports the samples read after the first batch and the wall-clock window they took
+    (``t_first``, ``t_end``: the aggregate rate leaves out every loader's start-up alike, which is
+    reported on its own as ``startup_s``, loader creation to first batch), the seconds waiting for
+    data and computing, and the CPU seconds the trial's own preparation took (DataLoader workers,
+    or DALI threads in this process).
     """
     from ray import tune
 
@@ -37,10 +39,11 @@ def bench_trial(config: Mapping[str, Any]) -> None:
     step = _step(config, len(open_source(spec.dataset).classes))
     limit = int(config.get("max_batches") or 0)
     cpu0, children0 = time.process_time(), _children_cpu()
-    samples = 0
+    samples = read = 0  # samples after the first batch; samples in all
     wait = compute = 0.0
+    t_created = time.time()
     loader = _loader(kind, config, spec, batch, epochs)
-    t_start = time.time()
+    t_first = None
     for _ in range(epochs):
         batches = iter(loader)
         done = 0
@@ -52,10 +55,15 @@ def bench_trial(config: Mapping[str, Any]) -> None:
             if item is None:
                 break
             images, labels = item
+            read += len(labels)
+            if t_first is None:  # steady state starts once the first batch is in
+                t_first, wait = time.time(), 0.0
+            else:
+                samples += len(labels)
             step(images, labels)
             compute += time.perf_counter() - t1
-            samples += len(labels)
             done += 1
+        del batches  # a DataLoader iterator cut short shuts its workers down (and waits for them) here
     t_end = time.time()
     private_prep_cpu = 0.0
     if kind == "dataloader":
@@ -64,7 +72,7 @@ def bench_trial(config: Mapping[str, Any]) -> None:
         private_prep_cpu = max(0.0, time.process_time() - cpu0 - (compute if config["step"] == "cnn" else 0.0))
     if hasattr(loader, "close"):
         loader.close()
-    tune.report({"samples": samples, "t_start": t_start, "t_end": t_end, "data_wait_s": wait, "compute_s": compute,
+    tune.report({"samples": samples, "samples_read": read, "t_first": t_first or t_end, "t_end": t_end, "startup_s": (t_first or t_end) - t_created, "data_wait_s": wait, "compute_s": compute,
                  "stall_fraction": wait / max(wait + compute, 1e-9), "private_prep_cpu_s": private_prep_cpu})
 
 

@@ -1,0 +1,71 @@
+"""coordprep bench at a tiny size, end to end: every loader, both steps, CSV and PNG (no timings asserted)."""
+
+from __future__ import annotations
+
+import csv
+import textwrap
+
+import pytest
+
+from coordinated_prep.bench.config import BenchConfig, load_bench
+from coordinated_prep.cli import main
+from coordinated_prep.errors import ConfigError
+from coordinated_prep.plan import holdout_split
+from coordinated_prep.sources import open_source
+from tests.conftest import live_coordprep_actors
+
+
+def test_a_tiny_bench_runs_every_loader_and_writes_csv_and_png(ray_session, small_dataset, tmp_path, capsys):
+    path = tmp_path / "bench.yaml"
+    path.write_text(textwrap.dedent(f"""
+        name: tiny
+        storage_path: {tmp_path / "runs"}
+        dataset: {small_dataset}
+        size: 32
+        batch_size: 16
+        epochs: 1
+        trials: [1, 2]
+        steps: [simulated, cnn]
+        simulated_step_ms: 1
+        cnn_trials: [1]
+        cnn_batches: 2
+        cnn_width: 4
+        cores: 2
+    """))
+    assert main(["bench", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "coordinated-dali" in out and "Written:" in out
+    rows = list(csv.DictReader((tmp_path / "runs" / "tiny" / "bench.csv").open()))
+    assert [(r["step"], r["trials"]) for r in rows[::4]] == [("simulated", "1"), ("simulated", "2"), ("cnn", "1")]
+    epoch = len(holdout_split(len(open_source(small_dataset)), 0.1)[0])
+    for r in rows:
+        assert float(r["samples_per_s"]) > 0 and float(r["prep_cpu_s"]) > 0, r
+        if r["step"] == "simulated":  # every loader reads exact epochs, and a shared group prepares each once
+            assert int(r["samples_read"]) == int(r["trials"]) * epoch, r
+            expected_work = 1.0 if r["loader"].startswith("coordinated") else float(r["trials"])
+            assert float(r["prep_work_x"]) == pytest.approx(expected_work), r
+        assert (float(r["peak_staging_bytes"]) > 0) == r["loader"].startswith("coordinated"), r
+    assert float(rows[0]["vs_best_independent"]) > 0
+    png = (tmp_path / "runs" / "tiny" / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert live_coordprep_actors() == []
+
+
+def test_the_shipped_bench_file_is_valid():
+    cfg = load_bench("experiments/bench.yaml")
+    assert cfg.trials == (1, 2, 4, 8) and cfg.size == 224 and cfg.batch_size >= 64
+
+
+@pytest.mark.parametrize("text, named", [("trials: [0]", "bench.trials"), ("loaders: [torch]", "torch"),
+                                         ("sizes: 3", "sizes"), ("steps: []", "bench.steps"),
+                                         ("cnn_batches: 1", "bench.cnn_batches")])
+def test_bad_bench_files_name_the_key(tmp_path, text, named):
+    path = tmp_path / "b.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=named) as e:
+        load_bench(str(path))
+    assert str(path) in str(e.value)
+
+
+def test_defaults_are_valid():
+    assert BenchConfig().loaders[0] == "dataloader"
