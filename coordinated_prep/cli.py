@@ -82,6 +82,7 @@ def _bench(args: argparse.Namespace) -> int:
     from coordinated_prep.bench.run import run_bench
 
     cfg = load_bench(args.experiment)
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's per-run banner would bury the table
     if args.trials:
         try:
             cfg = dataclasses.replace(cfg, trials=tuple(int(n) for n in args.trials.split(",")))

@@ -39,7 +39,9 @@ def test_a_tiny_bench_runs_every_loader_and_writes_csv_and_png(ray_session, smal
     assert [(r["step"], r["trials"]) for r in rows[::4]] == [("simulated", "1"), ("simulated", "2"), ("cnn", "1")]
     epoch = len(holdout_split(len(open_source(small_dataset)), 0.1)[0])
     for r in rows:
-        assert float(r["samples_per_s"]) > 0 and float(r["prep_cpu_s"]) > 0, r
+        assert float(r["samples_per_s"]) > 0, r
+        if (r["step"], r["loader"]) != ("cnn", "dali"):  # DALI's threads share the CNN's process
+            assert float(r["prep_cpu_s"]) > 0, r
         if r["step"] == "simulated":  # every loader reads exact epochs, and a shared group prepares each once
             assert int(r["samples_read"]) == int(r["trials"]) * epoch, r
             expected_work = 1.0 if r["loader"].startswith("coordinated") else float(r["trials"])

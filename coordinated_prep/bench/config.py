@@ -51,7 +51,7 @@ class BenchConfig:
     loaders: tuple[str, ...] = LOADERS
     steps: tuple[str, ...] = STEPS
     simulated_step_ms: float = 10.0
-    cnn_trials: tuple[int, ...] = (1, 4)
+    cnn_trials: tuple[int, ...] = (1, 2)
     cnn_batches: int = 4
     cnn_width: int = 8
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)

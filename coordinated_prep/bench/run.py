@@ -94,13 +94,14 @@ def measure(cfg: BenchConfig, loader: str, trials: int, step: str) -> dict[str, 
         prepared = group["samples_prepared"]
         peak = group["peak_staged_bytes"]
     else:
-        prep_cpu = sum(r["private_prep_cpu_s"] for r in results)
+        cpus = [r["private_prep_cpu_s"] for r in results]
+        prep_cpu = None if None in cpus else sum(cpus)
         prepared = read  # each trial prepared what it read (and what its loader fetched ahead)
         peak = 0
     return {
         "step": step, "loader": loader, "trials": trials, "samples": samples, "window_s": window,
         "samples_per_s": samples / window, "prep_cpu_s": prep_cpu,
-        "prep_cpu_ms_per_sample_read": 1000 * prep_cpu / read,
+        "prep_cpu_ms_per_sample_read": None if prep_cpu is None else 1000 * prep_cpu / read,
         "samples_read": read, "prep_work_x": prepared * trials / read,
         "peak_staging_bytes": peak,
         "stall_fraction": statistics.mean(r["stall_fraction"] for r in results),

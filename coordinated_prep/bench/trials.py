@@ -65,11 +65,13 @@ def bench_trial(config: Mapping[str, Any]) -> None:
             done += 1
         del batches  # a DataLoader iterator cut short shuts its workers down (and waits for them) here
     t_end = time.time()
-    private_prep_cpu = 0.0
+    private_prep_cpu: float | None = 0.0
     if kind == "dataloader":
         private_prep_cpu = _children_cpu() - children0  # the workers have exited: their CPU is counted
     elif kind == "dali":
-        private_prep_cpu = max(0.0, time.process_time() - cpu0 - (compute if config["step"] == "cnn" else 0.0))
+        # DALI's threads share this process with the step: its CPU is DALI's only when the step
+        # sleeps; beside a CNN on the CPU it cannot be told apart.
+        private_prep_cpu = time.process_time() - cpu0 if config["step"] == "simulated" else None
     if hasattr(loader, "close"):
         loader.close()
     tune.report({"samples": samples, "samples_read": read, "t_first": t_first or t_end, "t_end": t_end, "startup_s": (t_first or t_end) - t_created, "data_wait_s": wait, "compute_s": compute,
