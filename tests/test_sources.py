@@ -36,7 +36,7 @@ def test_errors_name_the_path_and_the_fix(tmp_path):
 
 
 def test_builtin_shapes_are_real_jpegs_of_ten_classes(monkeypatch, tmp_path):
-    monkeypatch.setattr(shapes, "IMAGES_PER_CLASS", 3)
+    monkeypatch.setitem(shapes.VARIANTS, "shapes", (shapes.IMAGE_SIZE, shapes.IMAGE_SIZE, 3))
     root = shapes.ensure_shapes(str(tmp_path / "shapes"))
     source = ImageFolderSource(root)
     assert len(source.classes) >= 10 and len(source) == 3 * len(source.classes)
@@ -47,5 +47,14 @@ def test_builtin_shapes_are_real_jpegs_of_ten_classes(monkeypatch, tmp_path):
     assert np.bincount(source.labels).tolist() == [3] * len(source.classes)
 
 
+def test_builtin_shapes_large_are_imagenet_sized_jpegs(monkeypatch, tmp_path):
+    monkeypatch.setitem(shapes.VARIANTS, "shapes-large", (500, 375, 1))
+    source = ImageFolderSource(shapes.ensure_shapes(str(tmp_path / "large"), variant="shapes-large"))
+    assert len(source) == len(shapes.CLASSES)
+    with Image.open(source.paths[0]) as img:
+        assert img.format == "JPEG" and img.size == (500, 375)
+
+
 def test_builtin_shapes_default_size_is_a_few_thousand_images_of_at_least_128_px():
-    assert shapes.IMAGE_SIZE >= 128 and 2000 <= shapes.IMAGES_PER_CLASS * len(shapes.CLASSES) <= 10000
+    width, height, per_class = shapes.VARIANTS["shapes"]
+    assert min(width, height) >= 128 and 2000 <= per_class * len(shapes.CLASSES) <= 10000
