@@ -102,8 +102,12 @@ class DaliPreprocessor:
             raise
 
     # -- pipelines ----------------------------------------------------------------------------
+    # The pipeline functions close over locals only, never ``self``: a pipeline that referenced its
+    # preprocessor would form a cycle left to the garbage collector, and DALI pipelines destroyed
+    # late in interpreter shutdown can crash the process on exit.
     def _build_train(self, batch: int) -> Any:
         fn, types, size = self._fn, self._types, self.pipeline.size
+        decoder_device = "mixed" if self._gpu else "cpu"
 
         @self._pipeline_def(batch_size=batch, num_threads=self._threads, device_id=0 if self._gpu else None,
                             prefetch_queue_depth=1, exec_dynamic=True)
@@ -112,7 +116,7 @@ class DaliPreprocessor:
             anchor = fn.external_source(name="anchor", dtype=types.INT32, ndim=1)
             shape = fn.external_source(name="shape", dtype=types.INT32, ndim=1)
             flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
-            images = fn.decoders.image_slice(encoded, anchor, shape, device="mixed" if self._gpu else "cpu",
+            images = fn.decoders.image_slice(encoded, anchor, shape, device=decoder_device,
                                              output_type=types.RGB, normalized_anchor=False,
                                              normalized_shape=False, axis_names="HW")
             images = fn.resize(images, resize_x=size, resize_y=size, interp_type=types.INTERP_LINEAR,
@@ -126,6 +130,7 @@ class DaliPreprocessor:
 
     def _build_eval(self) -> Any:
         fn, types, p = self._fn, self._types, self.pipeline
+        decoder_device = "mixed" if self._gpu else "cpu"
 
         @self._pipeline_def(batch_size=1, num_threads=self._threads, device_id=0 if self._gpu else None,
                             prefetch_queue_depth=1, exec_dynamic=True)
@@ -133,7 +138,7 @@ class DaliPreprocessor:
             encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
             resized = fn.external_source(name="resized", dtype=types.FLOAT, ndim=1)  # (height, width)
             anchor = fn.external_source(name="anchor", dtype=types.INT32, ndim=1)  # (top, left)
-            images = fn.decoders.image(encoded, device="mixed" if self._gpu else "cpu", output_type=types.RGB)
+            images = fn.decoders.image(encoded, device=decoder_device, output_type=types.RGB)
             images = fn.resize(images, size=resized, interp_type=types.INTERP_LINEAR, antialias=True)
             images = fn.slice(images, anchor, np.array([p.size, p.size], dtype=np.int32), normalized_anchor=False,
                               normalized_shape=False, axis_names="HW", out_of_bounds_policy="pad")
