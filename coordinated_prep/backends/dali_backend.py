@@ -13,6 +13,8 @@ broken installation raises a :class:`~coordinated_prep.errors.ConfigError` that 
 
 from __future__ import annotations
 
+import atexit
+import gc
 import io
 from typing import Any, Sequence
 
@@ -26,6 +28,7 @@ from coordinated_prep.spec import PipelineSpec
 
 def import_dali() -> tuple[Any, Any, Any]:
     """``(fn, types, pipeline_def)`` from nvidia.dali, or a ConfigError naming the fix."""
+    global _collect_at_exit
     try:
         from nvidia.dali import fn, pipeline_def, types
     except Exception as e:  # ImportError, or a broken install failing inside its own imports
@@ -33,7 +36,16 @@ def import_dali() -> tuple[Any, Any, Any]:
             "pipeline.backend='dali' needs NVIDIA DALI: pip install nvidia-dali-cuda120 "
             f"(importing nvidia.dali failed: {type(e).__name__}: {e}); or use backend: torchvision"
         ) from e
+    if not _collect_at_exit:
+        # A DALI pipeline sits in reference cycles, so only the garbage collector frees it; left to
+        # the interpreter's final teardown, its destructor can crash the process on exit (DALI
+        # issue 6166). Collecting at exit, before the teardown, destroys them while all is intact.
+        atexit.register(gc.collect)
+        _collect_at_exit = True
     return fn, types, pipeline_def
+
+
+_collect_at_exit = False
 
 
 class DaliPreprocessor:
