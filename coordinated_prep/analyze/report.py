@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any, Mapping
 
-from coordinated_prep.sweep.summary import _table
+from coordinated_prep.sweep.summary import format_table
 
 
 def _mb(x: float) -> str:
@@ -26,7 +26,7 @@ def format_report(r: Mapping[str, Any]) -> str:
         f"Per sample: {ps['encoded_bytes'] / 1024:.1f} KiB encoded; read {ps['read_warm_s'] * 1e3:.3f} ms warm, "
         f"{ps['read_cold_s'] * 1e3:.3f} ms cold; decode+augment {ps['decode_augment_s'] * 1e3:.2f} ms on one core",
         "",
-        _table(["run", "samples/s", "epoch s", "model epoch s"],
+        format_table(["run", "samples/s", "epoch s", "model epoch s"],
                [[mode, f"{v['measured_samples_s']:.1f}", f"{v['measured_epoch_s']:.1f}", f"{v['predicted_epoch_s']:.1f}"]
                 for mode, v in r["runs"].items()]),
         "",
@@ -36,16 +36,16 @@ def format_report(r: Mapping[str, Any]) -> str:
                  f"fetch {m['fetch_stall_s']:.1f} s measured ({p['fetch_stall_s']:.1f} s model)")
     lines.append("")
     cache = r["whatif"]["cache"]
-    lines.append(_table(["cache", "samples/s", "bottleneck"],
+    lines.append(format_table(["cache", "samples/s", "bottleneck"],
                         [[f"{c['cache_fraction']:.0%}", f"{c['throughput']:.0f}", c["bottleneck"]] for c in cache[::2]]))
     lines.append("")
-    lines.append(_table(["prep cores", "samples/s", "bottleneck"],
+    lines.append(format_table(["prep cores", "samples/s", "bottleneck"],
                         [[c["cores"], f"{c['throughput']:.0f}", c["bottleneck"]] for c in r["whatif"]["cores"]]))
     lines.append("")
     trials: dict[int, dict[bool, Mapping[str, Any]]] = {}
     for t in r["whatif"]["trials"]:
         trials.setdefault(t["trials"], {})[t["coordinated"]] = t
-    lines.append(_table(["trials", "independent samples/s", "coordinated samples/s", "speed-up"],
+    lines.append(format_table(["trials", "independent samples/s", "coordinated samples/s", "speed-up"],
                         [[n, f"{v[False]['throughput']:.0f}", f"{v[True]['throughput']:.0f}",
                           f"{v[True]['throughput'] / v[False]['throughput']:.2f}x"] for n, v in sorted(trials.items())]))
     return "\n".join(lines)

@@ -6,7 +6,7 @@ import csv
 import os
 from typing import Any, Mapping, Sequence
 
-from coordinated_prep.sweep.summary import _table
+from coordinated_prep.sweep.summary import format_table
 
 COLUMNS = ("step", "loader", "trials", "samples_per_s", "vs_best_independent", "prep_cpu_s",
            "prep_cpu_ms_per_sample_read", "prep_work_x", "peak_staging_bytes", "stall_fraction", "startup_s", "samples", "samples_read",
@@ -18,7 +18,7 @@ def format_rows(rows: Sequence[Mapping[str, Any]]) -> str:
     def num(v: Any, fmt: str) -> str:
         return fmt.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
 
-    return _table(
+    return format_table(
         ["step", "loader", "N", "samples/s", "vs best indep.", "prep CPU ms/sample", "prep work", "peak MiB", "stall", "start-up s"],
         [[r["step"], r["loader"], r["trials"], num(r["samples_per_s"], "{:.0f}"),
           num(r.get("vs_best_independent"), "{:.2f}x"), num(r["prep_cpu_ms_per_sample_read"], "{:.2f}"),

@@ -182,7 +182,8 @@ def _check_dataset(dataset: str) -> None:
         if dataset not in BUILTIN_DATASETS:
             raise ConfigError(f"data.dataset={dataset!r} is not a builtin dataset; choose one of {list(BUILTIN_DATASETS)}")
     elif not os.path.isdir(dataset):
-        raise ConfigError(f"data.dataset={dataset!r}: no such directory; give an ImageFolder root or 'builtin:shapes'")
+        raise ConfigError(f"data.dataset={dataset!r}: no such directory; give an ImageFolder root or one of "
+                          f"{list(BUILTIN_DATASETS)}")
 
 
 def _dimension(where: str, value: Any) -> Any:

@@ -41,7 +41,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     else:
         lines.append(f"Best trial: none reported {metric}")
     lines.append("")
-    lines.append(_table(
+    lines.append(format_table(
         ["trial", "status", "epochs", metric, "stall", "batch", "own prep"],
         [[t["trial"], t["status"], t.get("epochs", ""), _num(t.get(metric)), _num(t.get("stall_fraction")),
           t.get("batch_size", ""), t.get("private_samples", "-")] for t in summary["trials"]],
@@ -54,7 +54,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
                      _num(g.get("fetch_s"), "{:.1f}"), _num(g.get("transform_s"), "{:.1f}"),
                      _num(g.get("put_s"), "{:.1f}"), g.get("evictions", 0)])
     if rows:
-        lines.append(_table(["group", "dataset", "prepared", "served", "saving", "peak MiB", "fetch s",
+        lines.append(format_table(["group", "dataset", "prepared", "served", "saving", "peak MiB", "fetch s",
                              "decode+aug s", "put s", "detached"], rows))
     else:
         lines.append("No coordinated data groups (coordinated: false): every trial prepared its own data.")
@@ -65,7 +65,8 @@ def _num(value: Any, fmt: str = "{:.4f}") -> str:
     return fmt.format(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
 
 
-def _table(header: list[str], rows: list[list[Any]]) -> str:
+def format_table(header: list[str], rows: list[list[Any]]) -> str:
+    """Left-aligned columns with a dashed rule under the header (the summary, analyze and bench tables)."""
     cells = [header] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
