@@ -7,7 +7,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-from coordinated_prep.contracts import BatchPreprocessor, DataSource, Preprocessor
+from coordinated_prep.contracts import BatchPreprocessor, BatchSource, DataSource, Preprocessor
 from coordinated_prep.errors import SampleError
 
 
@@ -28,6 +28,8 @@ class ChunkTiming(NamedTuple):
     skipped: tuple[tuple[int, str, str], ...] = ()  # (index, path, reason) under on_error="skip"
     finished_at: float = 0.0  # wall-clock time (time.time) the prep actor finished; 0 when unset
     cpu_s: float = 0.0  # CPU seconds of the preparing process (threads included); 0 when unset
+    storage_reads: int = 0  # samples the preparing process read from storage itself
+    cache_hits: int = 0  # samples that came from a node's raw-data cache
 
 
 def prepare_chunk(
@@ -48,14 +50,24 @@ def prepare_chunk(
     """
     skipped: list[tuple[int, str, str]] = []
     t0 = time.perf_counter()
+    ids = indices.tolist()
+    if isinstance(source, BatchSource):
+        reads = source.read_many(ids)
+    else:
+        reads = []
+        for index in ids:
+            try:
+                reads.append(source.read(index))
+            except SampleError as e:
+                reads.append(e)
     blobs: list[tuple[int, bytes]] = []
-    for index in indices.tolist():
-        try:
-            blobs.append((index, source.read(index)))
-        except SampleError as e:
-            if on_error == "raise":
-                raise
-            skipped.append((e.index, e.path, e.reason))
+    for index, data in zip(ids, reads):
+        if not isinstance(data, SampleError):
+            blobs.append((index, data))
+        elif on_error == "raise":
+            raise data
+        else:
+            skipped.append((data.index, data.path, data.reason))
     t1 = time.perf_counter()
     images: np.ndarray | None = None
     kept: list[int] = []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -30,6 +30,16 @@ class DataSource(Protocol):
         ...
 
 
+@runtime_checkable
+class BatchSource(DataSource, Protocol):
+    """A data source that reads many samples in one call (the node caches answer per piece)."""
+
+    def read_many(self, indices: Sequence[int]) -> list[Any]:
+        """Per index, in order: its encoded bytes (``bytes`` or a read-only uint8 array) or the
+        :class:`~coordinated_prep.errors.SampleError` that reading it raised."""
+        ...
+
+
 class Preprocessor(Protocol):
     """Turns encoded samples into uint8 arrays of shape (3, size, size).
 
@@ -38,7 +48,7 @@ class Preprocessor(Protocol):
     """
 
     def train(self, data: bytes, seed: int, epoch: int, index: int) -> np.ndarray:
-        """Decode and randomly augment one training sample."""
+        """Decode and randomly augment one training sample (``data``: bytes or a uint8 array)."""
         ...
 
     def eval(self, data: bytes) -> np.ndarray:

@@ -18,6 +18,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from coordinated_prep import metrics
+from coordinated_prep.cache.layout import CacheLayout
+from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import PrepError
 from coordinated_prep.plan import StreamPlan, holdout_split
 from coordinated_prep.prep_actor import PrepActor
@@ -48,9 +50,10 @@ class Coordinator:
     Args:
         spec: The group's data spec.
         name: The actor's own name, used in error messages.
+        cache: The sweep's node caches (layout and options), handed to the prep actors; None: none.
     """
 
-    def __init__(self, spec: DataSpec, name: str) -> None:
+    def __init__(self, spec: DataSpec, name: str, cache: tuple[CacheLayout, CacheSpec] | None = None) -> None:
         self.spec = spec
         self.name = name
         source = open_source(spec.dataset)
@@ -65,7 +68,7 @@ class Coordinator:
         self.actors = [
             PrepActor.options(
                 max_restarts=-1, max_task_retries=_PREP_TASK_RETRIES, scheduling_strategy=affinity
-            ).remote(spec)
+            ).remote(spec, cache)
             for _ in range(n_actors)
         ]
         self.max_in_flight = 2 * n_actors  # keep every actor busy while one result travels back
@@ -84,7 +87,7 @@ class Coordinator:
             "samples_per_epoch": self.plan.samples_per_epoch, "chunks_per_epoch": self.plan.chunks_per_epoch,
             "pieces_prepared": 0, "samples_prepared": 0, "samples_served": 0, "pieces_failed": 0,
             "fetch_s": 0.0, "transform_s": 0.0, "put_s": 0.0, "prep_cpu_s": 0.0, "trials_joined": 0, "evictions": 0,
-            "samples_skipped": 0,
+            "samples_skipped": 0, "storage_reads": 0, "cache_hits": 0, "node": node_id,
         }
         self.group = spec.group_key
         metrics.set_gauge("staging_budget_bytes", budget, group=self.group)
@@ -283,6 +286,8 @@ class Coordinator:
             self.stats["transform_s"] += timing.transform_s
             self.stats["put_s"] += put_s
             self.stats["prep_cpu_s"] += timing.cpu_s
+            self.stats["storage_reads"] += timing.storage_reads
+            self.stats["cache_hits"] += timing.cache_hits
         finally:
             self.in_flight -= 1
             await self._notify()

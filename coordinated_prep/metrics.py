@@ -1,7 +1,8 @@
 """Metrics for the Ray dashboard and Prometheus, through ``ray.util.metrics``.
 
-Every name starts with ``coordprep_`` and every series carries the data group's key (``group``;
-``private`` for an unshared trial); per-trial series also carry ``trial``. Ray exports them from
+Every name starts with ``coordprep_``. Series of a data group carry its key (``group``); per-trial
+series also carry ``trial``; the node caches' series carry ``node`` (the first 16 characters of the
+node id). Ray exports them from
 each process to the node's metrics agent, which serves them in Prometheus format on the node's
 metrics export port (Ray adds its ``ray_`` prefix there; counters gain ``_total``).
 
@@ -16,6 +17,11 @@ metrics export port (Ray adds its ``ray_`` prefix there; counters gain ``_total`
 | ``coordprep_errors`` | counter | group, kind | coordinator: ``skipped_sample``, ``failed_piece``, ``lease_detached`` |
 | ``coordprep_data_wait_seconds`` | counter | group, trial | the trial's loader: time blocked on data |
 | ``coordprep_batches`` | counter | group, trial | the trial's loader |
+| ``coordprep_cache_hits`` | counter | node, where | node cache: ``local`` (same node) or ``remote`` reader |
+| ``coordprep_cache_misses`` | counter | node | node cache |
+| ``coordprep_cache_bytes`` | gauge | node | node cache: encoded bytes held |
+| ``coordprep_cache_capacity_bytes`` | gauge | node | node cache |
+| ``coordprep_storage_reads`` | counter | node, reader | samples read from storage by a ``cache`` or a ``prep`` actor |
 
 Metric objects are created lazily in the process that records them, and recording never
 raises: metrics are an observer, not a dependency. Each process exports on Ray's report interval
@@ -45,6 +51,13 @@ DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "errors": ("counter", "Errors by kind (skipped_sample, failed_piece, lease_detached)", ("group", "kind")),
     "data_wait_seconds": ("counter", "Seconds a trial waited for its next batch", ("group", "trial")),
     "batches": ("counter", "Batches a trial's loader delivered", ("group", "trial")),
+    "cache_hits": ("counter", "Samples the node cache served, to a reader on its node (local) or another (remote)",
+                   ("node", "where")),
+    "cache_misses": ("counter", "Samples asked of the node cache that it did not hold", ("node",)),
+    "cache_bytes": ("gauge", "Encoded bytes the node cache holds", ("node",)),
+    "cache_capacity_bytes": ("gauge", "The node cache's capacity", ("node",)),
+    "storage_reads": ("counter", "Samples read from storage, by a node cache or by a prep actor itself",
+                      ("node", "reader")),
 }
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 import ray
 from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter, SearchAlgorithm, Searcher, SearchGenerator
 
+from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.naming import NAMESPACE, SESSION_KEY, registry_name
 from coordinated_prep.registry import GroupRegistry
@@ -32,11 +33,19 @@ class CoordinatedSearcher(SearchAlgorithm):
             random/grid variant generation (``BasicVariantGenerator``).
         max_concurrent: Most trials running at once (0 = no limit). Pass it here: Tune ignores
             ``max_concurrent_trials`` for a SearchAlgorithm.
+        cache: A raw-data cache on every node (a :class:`CacheSpec` or a mapping of its fields),
+            shared by every data group of the sweep; None (default): samples are read from storage.
     """
 
-    def __init__(self, searcher: Searcher | SearchAlgorithm | None = None, *, max_concurrent: int = 0) -> None:
+    def __init__(self, searcher: Searcher | SearchAlgorithm | None = None, *, max_concurrent: int = 0,
+                 cache: CacheSpec | Mapping[str, Any] | None = None) -> None:
         if not isinstance(max_concurrent, int) or max_concurrent < 0:
             raise ConfigError(f"CoordinatedSearcher: max_concurrent={max_concurrent!r} must be an integer >= 0")
+        if isinstance(cache, Mapping):
+            cache = CacheSpec.from_mapping(cache)
+        elif cache is not None and not isinstance(cache, CacheSpec):
+            raise ConfigError(f"CoordinatedSearcher: cache={cache!r} must be a CacheSpec, a mapping or None")
+        self._cache = cache
         if searcher is None:
             inner: SearchAlgorithm = BasicVariantGenerator(max_concurrent=max_concurrent)
         elif isinstance(searcher, Searcher):
@@ -117,6 +126,12 @@ class CoordinatedSearcher(SearchAlgorithm):
             return {}
         return ray.get(self._registry.reports.remote(), timeout=_CALL_TIMEOUT_S)
 
+    def cache_reports(self) -> dict[str, dict[str, Any]]:
+        """Per node: the raw-data cache's hits (local, remote), misses, storage reads and bytes held."""
+        if self._registry is None or self._cache is None:
+            return {}
+        return ray.get(self._registry.cache_reports.remote(), timeout=_CALL_TIMEOUT_S)
+
     def close(self) -> None:
         """Destroy every data group and the registry (idempotent; call after the sweep)."""
         if self._registry is None:
@@ -131,5 +146,5 @@ class CoordinatedSearcher(SearchAlgorithm):
     def _ensure_registry(self) -> None:
         if self._registry is None:
             self._registry = GroupRegistry.options(name=registry_name(self.session), namespace=NAMESPACE).remote(
-                self.session
+                self.session, self._cache
             )

@@ -110,7 +110,8 @@ class SharedStream:
                 f"trial {trial}: the data-group registry {registry_name(session)!r} is gone; it lives as long as "
                 "the CoordinatedSearcher that started the sweep (was searcher.close() called early?)"
             ) from None
-        self._coordinator = self._call(registry.group_for.remote(spec, trial), "finding its data group")
+        node = ray.get_runtime_context().get_node_id()  # the group's coordinator on this node serves it
+        self._coordinator = self._call(registry.group_for.remote(spec, trial, node), "finding its data group")
         info = self._call(self._coordinator.join.remote(trial, epochs), "joining its data group")
         self.start: int = info["start"]
         self.chunks_per_epoch: int = info["chunks_per_epoch"]

@@ -6,7 +6,7 @@ Schema (every key but ``trainable`` and ``search_space`` is optional)::
     storage_path: runs               # relative to the working directory
     trainable: small_cnn             # a registered trainable (small_cnn, resnet18) or module:function
     data:                            # DataSpec fields
-      dataset: builtin:shapes        # or an ImageFolder directory
+      dataset: builtin:shapes        # or an ImageFolder or Parquet dataset directory
       seed: 0
       coordinated: true              # false: each trial prepares its own data (the baseline)
       pipeline: {size: 64, scale: [0.35, 1.0], hflip: 0.5}
@@ -22,6 +22,7 @@ Schema (every key but ``trainable`` and ``search_space`` is optional)::
     mode: max
     scheduler: {type: asha, grace_period: 1, reduction_factor: 2}   # or {type: fifo}
     ray: {num_cpus: 2, object_store_memory: 1073741824}             # passed to ray.init
+    cache: {capacity_bytes: 256MiB, partitioned: true}              # a raw-data cache per node (CacheSpec)
     # also include_dashboard, dashboard_host, metrics_export_port (Prometheus endpoint of the node)
 """
 
@@ -32,13 +33,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping
 
+from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.sweep.yaml_loader import load_yaml
 
 DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint")
 TOP_KEYS = ("name", "storage_path", "trainable", "data", "search_space", "num_samples", "max_concurrent_trials",
-            "resources_per_trial", "metric", "mode", "scheduler", "ray")
+            "resources_per_trial", "metric", "mode", "scheduler", "ray", "cache")
 SCHEDULER_KEYS = {"fifo": ("type",), "asha": ("type", "grace_period", "reduction_factor", "max_t")}
 #: What the registered trainables need of their search space: (integer?, lowest value, required?).
 TRAINABLE_KEYS = {"lr": (False, 0.0, True), "batch_size": (True, 1, True), "epochs": (True, 1, True),
@@ -91,6 +93,7 @@ class SweepConfig:
     mode: Literal["min", "max"] = "max"
     scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)
     ray: Mapping[str, Any] = field(default_factory=dict)
+    cache: CacheSpec | None = None
 
     def trainable_fn(self) -> Callable[[dict], None]:
         """The trainable function this sweep names."""
@@ -153,6 +156,8 @@ def _parse(path: str, raw: Any) -> SweepConfig:
     if "ray" in raw:
         _only(raw["ray"], RAY_KEYS, "ray")
         kwargs["ray"] = dict(raw["ray"])
+    if raw.get("cache") is not None:
+        kwargs["cache"] = CacheSpec.from_mapping(raw["cache"], "cache")
     return SweepConfig(**kwargs)
 
 
@@ -182,8 +187,8 @@ def _check_dataset(dataset: str) -> None:
         if dataset not in BUILTIN_DATASETS:
             raise ConfigError(f"data.dataset={dataset!r} is not a builtin dataset; choose one of {list(BUILTIN_DATASETS)}")
     elif not os.path.isdir(dataset):
-        raise ConfigError(f"data.dataset={dataset!r}: no such directory; give an ImageFolder root or one of "
-                          f"{list(BUILTIN_DATASETS)}")
+        raise ConfigError(f"data.dataset={dataset!r}: no such directory; give an ImageFolder root, a Parquet "
+                          f"dataset directory (coordprep convert) or one of {list(BUILTIN_DATASETS)}")
 
 
 def _dimension(where: str, value: Any) -> Any:

@@ -23,7 +23,7 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1) -> dict[str, Any]:
         if "metrics_export_port" in init:  # ray.init spells it with a leading underscore
             init["_metrics_export_port"] = init.pop("metrics_export_port")
         ray.init(**init)
-    searcher = CoordinatedSearcher(max_concurrent=cfg.max_concurrent_trials)
+    searcher = CoordinatedSearcher(max_concurrent=cfg.max_concurrent_trials, cache=cfg.cache)
     storage = os.path.abspath(cfg.storage_path)
     resources = {k: v for k, v in cfg.resources_per_trial.items() if v}
     tuner = tune.Tuner(
@@ -37,10 +37,11 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1) -> dict[str, Any]:
     try:
         results = tuner.fit()
         groups = searcher.group_reports()
+        caches = searcher.cache_reports()
     finally:
         searcher.close()
     trials = [_trial_row(r, cfg.metric) for r in results]
-    summary = build_summary(trials, groups, cfg.metric, cfg.mode)
+    summary = build_summary(trials, groups, cfg.metric, cfg.mode, caches)
     summary["path"] = write_summary(summary, os.path.join(storage, cfg.name))
     return summary
 

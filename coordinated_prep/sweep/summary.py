@@ -11,15 +11,16 @@ _TRIAL_COLUMNS = ("trial", "status", "epochs", "metric", "stall_fraction", "batc
 
 
 def build_summary(trials: Sequence[Mapping[str, Any]], groups: Mapping[str, Mapping[str, Any]],
-                  metric: str, mode: str) -> dict[str, Any]:
-    """Assemble the summary from per-trial rows and the searcher's group reports."""
+                  metric: str, mode: str, caches: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """Assemble the summary from per-trial rows, the searcher's group reports and its node caches' reports."""
     scored = [t for t in trials if isinstance(t.get(metric), (int, float)) and not math.isnan(t[metric])]
     best = (max if mode == "max" else min)(scored, key=lambda t: t[metric]) if scored else None
     group_rows = {}
     for key, g in groups.items():
         prepared, served = g.get("samples_prepared", 0), g.get("samples_served", 0)
         group_rows[key] = dict(g, saving=(served / prepared) if prepared else None)
-    return {"metric": metric, "mode": mode, "best_trial": best, "trials": list(trials), "groups": group_rows}
+    return {"metric": metric, "mode": mode, "best_trial": best, "trials": list(trials), "groups": group_rows,
+            "caches": dict(caches or {})}
 
 
 def write_summary(summary: Mapping[str, Any], directory: str) -> str:
@@ -52,13 +53,30 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         rows.append([key, g.get("dataset"), g.get("samples_prepared"), g.get("samples_served"),
                      _num(g.get("saving"), "{:.2f}x"), _num(g.get("peak_staged_bytes", 0) / 2**20, "{:.1f}"),
                      _num(g.get("fetch_s"), "{:.1f}"), _num(g.get("transform_s"), "{:.1f}"),
-                     _num(g.get("put_s"), "{:.1f}"), g.get("evictions", 0)])
+                     _num(g.get("put_s"), "{:.1f}"), g.get("evictions", 0), len(g.get("nodes", [])) or "-"])
     if rows:
         lines.append(format_table(["group", "dataset", "prepared", "served", "saving", "peak MiB", "fetch s",
-                             "decode+aug s", "put s", "detached"], rows))
+                                   "decode+aug s", "put s", "detached", "nodes"], rows))
     else:
         lines.append("No coordinated data groups (coordinated: false): every trial prepared its own data.")
+    caches = summary.get("caches") or {}
+    if caches:
+        lines.append("")
+        prep_reads = sum(g.get("storage_reads", 0) for g in summary["groups"].values())
+        lines.append(format_table(
+            ["cache node", "hits local", "hits remote", "misses", "hit rate", "storage reads", "MiB held", "items"],
+            [[node[:12], c.get("hits_local", "-"), c.get("hits_remote", "-"), c.get("misses", "-"),
+              _num(_rate(c), "{:.2f}"), c.get("storage_reads", "-"), _num(c.get("used_bytes", 0) / 2**20, "{:.1f}"),
+              "lost" if c.get("lost") else c.get("items", "-")] for node, c in caches.items()],
+        ))
+        lines.append(f"Storage reads by prep actors past the caches: {prep_reads}")
     return "\n".join(lines)
+
+
+def _rate(cache: Mapping[str, Any]) -> float | None:
+    hits = cache.get("hits_local", 0) + cache.get("hits_remote", 0)
+    total = hits + cache.get("misses", 0)
+    return hits / total if total else None
 
 
 def _num(value: Any, fmt: str = "{:.4f}") -> str:

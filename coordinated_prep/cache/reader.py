@@ -1,0 +1,124 @@
+"""The prep actor's side of the cache: a data source whose reads go through the nodes' caches."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import numpy as np
+import ray
+
+from coordinated_prep import metrics
+from coordinated_prep.cache.layout import CacheLayout
+from coordinated_prep.cache.spec import CacheSpec
+from coordinated_prep.contracts import DataSource
+from coordinated_prep.errors import SampleError
+from coordinated_prep.naming import NAMESPACE
+
+logger = logging.getLogger(__name__)
+
+_LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError,
+         ray.exceptions.ActorUnavailableError)
+
+
+class CachedSource:
+    """Wraps a data source: samples come from their owner node's cache, else from storage.
+
+    Each read of a piece asks every owner cache once for its samples (one call per node, all in
+    flight together). A cache that is gone (its node left the cluster) is marked lost and its
+    samples are read from storage from then on; one that does not answer within the timeout is
+    passed over for this piece only. Counts ``storage_reads`` and ``cache_hits`` for the caller.
+
+    Args:
+        source: The storage the samples come from on a miss.
+        dataset: The dataset's name as the caches know it (``DataSpec.dataset``).
+        layout: The sweep's nodes and the assignment of samples to them.
+        spec: The cache options (timeout).
+    """
+
+    def __init__(self, source: DataSource, dataset: str, layout: CacheLayout, spec: CacheSpec) -> None:
+        self._source = source
+        self.root, self.classes, self.labels = source.root, source.classes, source.labels
+        self._dataset = dataset
+        self._layout = layout
+        self._timeout = float(spec.timeout_s)
+        self._node = ray.get_runtime_context().get_node_id()
+        self._owners = layout.owners(len(source), self._node)
+        self._handles: dict[int, Any] = {}
+        self._lost: set[int] = set()
+        self.storage_reads = 0
+        self.cache_hits = 0
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def describe(self, index: int) -> str:
+        return self._source.describe(index)
+
+    def read(self, index: int) -> Any:
+        """Encoded bytes of sample ``index`` (a read-only uint8 array when it came from a cache)."""
+        (data,) = self.read_many([index])
+        if isinstance(data, SampleError):
+            raise data
+        return data
+
+    def read_many(self, indices: Sequence[int]) -> list[Any]:
+        """Encoded bytes (or the SampleError) of each of ``indices``, in order."""
+        out: list[Any] = [None] * len(indices)
+        owners = self._owners[np.asarray(indices, dtype=np.int64)] if len(indices) else np.empty(0, np.int64)
+        asks = []
+        for owner in np.unique(owners).tolist():
+            handle = self._handle(owner)
+            if handle is None:
+                continue
+            where = np.flatnonzero(owners == owner)
+            asks.append((owner, where, handle.lookup.remote(self._dataset, [indices[k] for k in where], self._node)))
+        for owner, where, ask in asks:
+            try:
+                answers = ray.get(ask, timeout=self._timeout)
+                refs = [a for a in answers if isinstance(a, ray.ObjectRef)]
+                values = iter(ray.get(refs, timeout=self._timeout))
+            except _LOST as e:
+                self._mark_lost(owner, e)
+                continue
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as e:
+                logger.warning("cache on node %s did not answer in %.0fs (%s); reading this piece's %d samples "
+                               "from storage", self._layout.nodes[owner], self._timeout, type(e).__name__, len(where))
+                continue
+            for k, answer in zip(where.tolist(), answers):
+                if isinstance(answer, ray.ObjectRef):
+                    out[k] = next(values)
+                    self.cache_hits += 1
+                elif isinstance(answer, SampleError):
+                    out[k] = answer
+        for k, data in enumerate(out):
+            if data is None:
+                out[k] = self._from_storage(indices[k])
+        return out
+
+    def _from_storage(self, index: int) -> Any:
+        self.storage_reads += 1
+        metrics.inc("storage_reads", 1, node=self._node[:16], reader="prep")
+        try:
+            return self._source.read(index)
+        except SampleError as e:
+            return e
+
+    def _handle(self, owner: int) -> Any:
+        if owner < 0 or owner in self._lost:
+            return None
+        if owner not in self._handles:
+            try:
+                self._handles[owner] = ray.get_actor(self._layout.actor_name(self._layout.nodes[owner]),
+                                                     namespace=NAMESPACE)
+            except ValueError as e:  # never started, or gone with its node
+                self._mark_lost(owner, e)
+                return None
+        return self._handles[owner]
+
+    def _mark_lost(self, owner: int, error: BaseException) -> None:
+        if owner not in self._lost:
+            self._lost.add(owner)
+            self._handles.pop(owner, None)
+            logger.warning("cache on node %s is gone (%s); its part of the dataset is read from storage from now on",
+                           self._layout.nodes[owner], type(error).__name__)

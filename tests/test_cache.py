@@ -1,0 +1,102 @@
+"""The node cache with Ray: MinIO's hit rate against LRU's, and one cache shared by every group of a node.
+
+Storage reads are counted by Linux inotify on the dataset's folders, not by the library's counters.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import ray
+from ray import tune
+
+from coordinated_prep import CoordinatedSearcher, DataSpec
+from coordinated_prep.cache import CacheSpec, LruPolicy
+from coordinated_prep.cache.actor import RawCache
+from coordinated_prep.plan import StreamPlan, holdout_split
+from coordinated_prep.sources import open_source
+from tests.conftest import live_coordprep_actors
+from tests.harness import check_trial_records
+from tests.recording import load_records, record
+from tests.utils import FileOpens
+
+EPOCHS = 3
+
+
+def test_minio_hit_rate_is_the_cached_fraction_while_lru_of_the_same_size_falls_short(ray_session, small_dataset):
+    source = open_source(small_dataset)
+    n = len(source)
+    sizes = np.array([os.path.getsize(source.describe(i)) for i in range(n)])
+    capacity = int(sizes.sum() * 0.5)
+    node = ray.get_runtime_context().get_node_id()
+    cache = RawCache.remote(CacheSpec(capacity), node, "test-cache")
+    plan = StreamPlan(np.arange(n), seed=0, chunk_size=16, segments=4)
+    lru = LruPolicy(capacity)
+    minio_rates, lru_rates, got, own_reads = [], [], {}, 0
+    with FileOpens(small_dataset) as opens:
+        for epoch in range(EPOCHS):
+            before = ray.get(cache.report.remote())
+            lru_hits = 0
+            for g in range(epoch * plan.chunks_per_epoch, (epoch + 1) * plan.chunks_per_epoch):
+                ids = plan.chunk_samples(g).tolist()
+                answers = ray.get(cache.lookup.remote(small_dataset, ids, node))
+                for i, answer in zip(ids, answers):  # what a prep actor does with each answer
+                    if answer is None:  # not cached, and the cache is full: read it from storage
+                        own_reads += 1
+                        got[i] = source.read(i)
+                    else:
+                        got[i] = bytes(ray.get(answer))
+                    if lru.lookup(i):
+                        lru_hits += 1
+                    else:
+                        lru.admit(i, int(sizes[i]))
+            after = ray.get(cache.report.remote())
+            minio_rates.append((after["hits_local"] - before["hits_local"]) / n)
+            lru_rates.append(lru_hits / n)
+    report = ray.get(cache.report.remote())
+    ray.kill(cache)
+    assert not opens.overflowed
+    cached = report["items"] / n
+    assert report["used_bytes"] <= capacity and 0.3 < cached < 0.7, report
+    assert minio_rates[0] == 0.0
+    for rate in minio_rates[1:]:
+        assert abs(rate - cached) <= 1 / n, (minio_rates, cached)
+    for rate in lru_rates[1:]:
+        assert rate < cached - 0.1, (lru_rates, cached)
+    # Storage, counted by the kernel: a cached file is read once in all, any other once per epoch
+    # (the first time by the cache, which read it just as it filled up, then by the reader).
+    reads = np.array([opens.counts[source.describe(i)] for i in range(n)])
+    assert set(reads.tolist()) == {1, EPOCHS}
+    assert (reads == 1).sum() == report["items"]
+    assert reads.sum() == report["storage_reads"] + own_reads
+    assert all(got[i] == source.read(i) for i in range(n))  # a JPEG stays a JPEG, byte for byte
+
+
+def test_every_group_on_the_node_shares_one_cache_and_storage_is_read_once(ray_session, small_dataset, tmp_path):
+    source = open_source(small_dataset)
+    train, _ = holdout_split(len(source), 0.1)
+    specs = [DataSpec(dataset=small_dataset, pipeline={"size": size}, seed=1, chunk_size=8, segments=4,
+                      prep_actors=1) for size in (32, 24)]  # two data groups, one dataset
+    searcher = CoordinatedSearcher(cache=CacheSpec("64MiB"))  # holds the whole dataset
+    with FileOpens(small_dataset) as opens:
+        analysis = tune.run(
+            tune.with_resources(record, {"cpu": 0.25}),
+            config={"data": tune.grid_search(specs), "batch_size": 10, "epochs": EPOCHS, "out": str(tmp_path)},
+            search_alg=searcher, verbose=0,
+        )
+        groups, caches = searcher.group_reports(), searcher.cache_reports()
+    searcher.close()
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    assert not any("cache" in name for name in live_coordprep_actors())  # the registry destroyed it
+    records = load_records(str(tmp_path))
+    for trial in analysis.trials:
+        check_trial_records(trial.config["data"], records[trial.trial_id], 10, trial.trial_id)
+    [cache] = caches.values()
+    requests = len(specs) * EPOCHS * len(train)
+    assert cache["hits_local"] + cache["misses"] == requests and cache["hits_remote"] == 0
+    assert cache["items"] == cache["storage_reads"] == len(train) and cache["hits_local"] >= requests - 2 * len(train)
+    assert sum(g["storage_reads"] for g in groups.values()) == 0  # nothing read past the cache
+    assert sum(g["cache_hits"] for g in groups.values()) == requests
+    assert not opens.overflowed
+    assert {opens.counts[source.describe(int(i))] for i in train} == {1}  # once per sweep, both groups together
