@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
 
 import numpy as np
+import ray
 from ray import tune
 
 from coordinated_prep import train_loader
@@ -35,7 +37,6 @@ def _inject(config: dict, epoch: int, step: int) -> None:
     if fault == "kill_self":
         marker = os.path.join(config["out"], "killed-once")
         if not os.path.exists(marker):  # only the first attempt dies; Tune's retry goes on
-            import ray
             from ray.util.state import get_actor
 
             open(marker, "w").close()
@@ -50,11 +51,42 @@ def _inject(config: dict, epoch: int, step: int) -> None:
         os.kill(int(victims[0].pid), signal.SIGKILL)
 
 
+@ray.remote(num_cpus=0)
+class Gate:
+    """Where trials wait for the test: each ``arrive`` and then waits until the test ``open`` s it."""
+
+    def __init__(self) -> None:
+        self.arrived: set[str] = set()
+        self.changed = asyncio.Condition()
+        self.is_open = False
+
+    async def arrive(self, trial: str) -> None:
+        async with self.changed:
+            self.arrived.add(trial)
+            self.changed.notify_all()
+
+    async def wait_arrivals(self, n: int, timeout_s: float) -> int:
+        async with self.changed:
+            await asyncio.wait_for(self.changed.wait_for(lambda: len(self.arrived) >= n), timeout_s)
+        return len(self.arrived)
+
+    async def wait_open(self, timeout_s: float) -> None:
+        async with self.changed:
+            await asyncio.wait_for(self.changed.wait_for(lambda: self.is_open), timeout_s)
+
+    async def open(self) -> None:
+        async with self.changed:
+            self.is_open = True
+            self.changed.notify_all()
+
+
 def record(config: dict) -> None:
-    """Iterate ``epochs`` epochs; save per epoch: indices, stream epochs, digests, batch sizes.
+    """Iterate ``epochs`` epochs; save per epoch: indices, stream epochs, digests, batch sizes, node.
 
     Optional: ``delay_s`` per batch (a slow trial's compute step), ``fault`` to inject (see _inject),
-    ``declare_epochs`` (True: the loader is told the epochs, so nothing past them is prepared).
+    ``declare_epochs`` (True: the loader is told the epochs, so nothing past them is prepared),
+    ``gate`` (name of a :class:`Gate` in the coordinated_prep namespace: after epoch ``gate_after``
+    the trial arrives there and waits for the test to open it).
     """
     out = os.path.join(config["out"], tune.get_context().get_trial_id())
     os.makedirs(out, exist_ok=True)
@@ -71,8 +103,12 @@ def record(config: dict) -> None:
                  indices=np.concatenate([p[0] for p in parts]), stream_epochs=np.concatenate([p[1] for p in parts]),
                  digests=np.concatenate([p[2] for p in parts]), batch_sizes=np.array([p[3] for p in parts]),
                  start=loader.start_piece, coordinator=str(loader.coordinator),
-                 private_samples=loader.private_samples)
+                 private_samples=loader.private_samples, node=ray.get_runtime_context().get_node_id())
         tune.report({"epoch": epoch + 1, "score": float(config.get("score", 0.0)) * (epoch + 1)})
+        if config.get("gate") and epoch == config.get("gate_after", 0):
+            gate = ray.get_actor(config["gate"], namespace="coordinated_prep")
+            ray.get(gate.arrive.remote(tune.get_context().get_trial_id()), timeout=60)
+            ray.get(gate.wait_open.remote(300), timeout=330)
 
 
 def load_records(out: str) -> dict[str, list[dict[str, np.ndarray]]]:

@@ -1,0 +1,145 @@
+"""Several nodes with ``ray.cluster_utils.Cluster`` (raylets on one machine, each with its own resources).
+
+Trials are pinned to two worker nodes by custom resources. Each node runs its own coordinator and
+prep actors; the node caches split the dataset by seed; storage reads are counted by the kernel
+(inotify), and one node is removed in the middle of a sweep.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import ray
+from ray import tune
+from ray.tune import PlacementGroupFactory
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from coordinated_prep import CoordinatedSearcher, DataSpec
+from coordinated_prep.cache import CacheLayout, CacheSpec
+from coordinated_prep.plan import holdout_split
+from coordinated_prep.sources import open_source
+from tests.conftest import REPO
+from tests.harness import check_trial_records
+from tests.recording import Gate, load_records, record
+from tests.utils import FileOpens
+
+EPOCHS = 3
+WORKERS = ("node_a", "node_b")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head (driver, registry) and two worker nodes, each tagged with its own custom resource."""
+    import os
+
+    from ray.cluster_utils import Cluster
+
+    store = 200 * 2**20
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": store,
+                                                      "include_dashboard": False})
+    nodes = {name: c.add_node(num_cpus=1, resources={name: 4}, object_store_memory=store) for name in WORKERS}
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": REPO, "COORDPREP_CACHE": os.environ["COORDPREP_CACHE"]}})
+    yield c, nodes
+    ray.shutdown()
+    c.shutdown()
+
+
+def _pinned(config: dict) -> PlacementGroupFactory:
+    return PlacementGroupFactory([{"CPU": 0.25, config["node"]: 1}])
+
+
+def _spec(dataset: str) -> DataSpec:
+    return DataSpec(dataset=dataset, pipeline={"size": 32}, seed=2, chunk_size=8, segments=4, prep_actors=1,
+                    lookahead=2)
+
+
+def _owners(caches: dict, spec: DataSpec, n: int) -> tuple[tuple[str, ...], np.ndarray]:
+    nodes = tuple(sorted(caches))  # the registry's layout: every live node, sorted
+    return nodes, CacheLayout("-", nodes, seed=0).owners(n, nodes[0])
+
+
+def test_each_node_serves_its_own_trials_and_storage_is_read_once(cluster, small_dataset, tmp_path):
+    _, nodes = cluster
+    spec = _spec(small_dataset)
+    source = open_source(small_dataset)
+    train, _ = holdout_split(len(source), spec.holdout)
+    searcher = CoordinatedSearcher(cache=CacheSpec("32MiB"))  # the caches together hold the dataset
+    with FileOpens(small_dataset) as opens:
+        analysis = tune.run(
+            tune.with_resources(record, _pinned),
+            config={"data": spec, "node": tune.grid_search(list(WORKERS)), "batch_size": tune.grid_search([8, 12]),
+                    "epochs": EPOCHS, "out": str(tmp_path)},
+            search_alg=searcher, verbose=0,
+        )
+        groups, caches = searcher.group_reports(), searcher.cache_reports()
+    searcher.close()
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    records = load_records(str(tmp_path))
+    node_ids = {name: node.node_id for name, node in nodes.items()}
+    for trial in analysis.trials:
+        epochs = records[trial.trial_id]
+        check_trial_records(spec, epochs, trial.config["batch_size"], trial.trial_id)
+        node = node_ids[trial.config["node"]]
+        assert {str(e["node"]) for e in epochs} == {node}  # pinned where asked
+        assert node[:8] in str(epochs[0]["coordinator"])  # served by the coordinator of its own node
+
+    [group] = groups.values()
+    assert sorted(group["nodes"]) == sorted(node_ids.values()) and group["coordinators"] == 2
+    assert len(caches) == 3  # head and both workers: every live node holds a part
+    nodes_sorted, owners = _owners(caches, spec, len(source))
+    for k, node in enumerate(nodes_sorted):  # each cache holds exactly its part of the training split
+        assert caches[node]["items"] == int((owners[train] == k).sum()), caches[node]
+    assert sum(c["storage_reads"] for c in caches.values()) == len(train)
+    assert sum(c["hits_remote"] for c in caches.values()) > 0  # misses served from another node's cache
+    assert group["storage_reads"] == 0
+    assert not opens.overflowed
+    assert {opens.counts[source.describe(int(i))] for i in train} == {1}  # once per sweep, both nodes together
+
+
+def test_a_node_leaving_mid_sweep_sends_its_part_back_to_storage_and_the_others_go_on(
+        cluster, small_dataset, tmp_path):
+    c, nodes = cluster
+    spec = _spec(small_dataset)
+    source = open_source(small_dataset)
+    train, _ = holdout_split(len(source), spec.holdout)
+    gate = Gate.options(name="gate", namespace="coordinated_prep", scheduling_strategy=NodeAffinitySchedulingStrategy(
+        ray.get_runtime_context().get_node_id(), soft=False)).remote()
+    searcher = CoordinatedSearcher(cache=CacheSpec("32MiB"))
+    lost = nodes["node_b"].node_id
+
+    def remove_node_b() -> None:  # once every trial has finished its first epoch, and is waiting
+        ray.get(gate.wait_arrivals.remote(4, 300), timeout=330)
+        c.remove_node(nodes["node_b"])
+        ray.get(gate.open.remote(), timeout=60)
+
+    remover = threading.Thread(target=remove_node_b, daemon=True)
+    with FileOpens(small_dataset) as opens:
+        remover.start()
+        analysis = tune.run(
+            tune.with_resources(record, _pinned),
+            config={"data": spec, "node": tune.grid_search(list(WORKERS)), "batch_size": tune.grid_search([8, 12]),
+                    "epochs": EPOCHS, "out": str(tmp_path), "gate": "gate", "gate_after": 0},
+            search_alg=searcher, verbose=0, raise_on_failed_trial=False, max_failures=0,
+        )
+        remover.join(timeout=60)
+        caches = searcher.cache_reports()
+    searcher.close()
+    ray.kill(gate)
+    by_node = {n: [t for t in analysis.trials if t.config["node"] == n] for n in WORKERS}
+    assert all(t.status == "TERMINATED" for t in by_node["node_a"]), [t.error_file for t in by_node["node_a"]]
+    assert all(t.status == "ERROR" for t in by_node["node_b"])  # they died with their node
+    records = load_records(str(tmp_path))
+    for trial in by_node["node_a"]:  # the survivors kept exact epochs across the loss
+        check_trial_records(spec, records[trial.trial_id], trial.config["batch_size"], trial.trial_id)
+    assert caches[lost].get("lost"), caches
+
+    nodes_sorted, owners = _owners(caches, spec, len(source))
+    reads = np.array([opens.counts[source.describe(int(i))] for i in train])
+    mine = owners[train] != nodes_sorted.index(lost)
+    assert set(reads[mine].tolist()) == {1}  # the surviving caches kept serving their parts
+    assert reads[~mine].min() >= 1 and reads[~mine].max() <= EPOCHS
+    assert reads[~mine].sum() > (~mine).sum()  # after the loss, node_b's part came from storage again
