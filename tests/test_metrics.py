@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import tune
 
 from coordinated_prep import CoordinatedSearcher, DataSpec
+from coordinated_prep.cache import CacheSpec
 from coordinated_prep.metrics import DEFINITIONS
 from tests.conftest import REPO
 from tests.harness import train_ids
@@ -47,7 +48,7 @@ def scrape() -> dict[tuple[str, frozenset], float]:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name.startswith("ray_coordprep_"):
-                tags = frozenset((k, v) for k, v in s.labels.items() if k in ("group", "trial", "stage", "kind"))
+                tags = frozenset((k, v) for k, v in s.labels.items() if k in ("group", "trial", "stage", "kind", "node", "where", "reader"))
                 samples[(s.name[len("ray_"):].removesuffix("_total"), tags)] = s.value
     return samples
 
@@ -69,7 +70,7 @@ def test_metrics_are_scraped_during_a_sweep_with_plausible_values(ray_session, s
 
     scraper = threading.Thread(target=poll, daemon=True)
     scraper.start()
-    searcher = CoordinatedSearcher()
+    searcher = CoordinatedSearcher(cache=CacheSpec("32MiB"))
     try:
         analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}),
                             config={"data": spec, "batch_size": 8, "epochs": epochs, "delay_s": 0.05,
@@ -84,15 +85,17 @@ def test_metrics_are_scraped_during_a_sweep_with_plausible_values(ray_session, s
 
     # Ray reports every second: wait (bounded) until the final counts have reached the endpoint.
     expected = len(train_ids(spec)) * epochs
+    node = ray_session.get_runtime_context().get_node_id()[:16]
     final: dict = {}
     pause = threading.Event()  # never set: a bounded wait between scrapes
     for _ in range(60):
         final = scrape()
-        if value(final, "samples_prepared", group=group) == expected and all(
+        if value(final, "samples_prepared", group=group) == expected and value(
+                final, "cache_misses", node=node) is not None and all(
                 value(final, "samples_served", group=group, trial=t) == expected for t in trials):
             break
         pause.wait(0.5)
-    names = {name for name, _ in final}
+    names = {name for snapshot in [*during, final] for name, _ in snapshot}  # a gauge may leave with its actor
     missing = {f"coordprep_{n}" for n in DEFINITIONS if n != "errors"} - names
     assert not missing, f"metrics missing from the endpoint: {missing}"
     assert value(final, "samples_prepared", group=group) == expected, "a shared group prepares each sample once per epoch"
@@ -102,9 +105,16 @@ def test_metrics_are_scraped_during_a_sweep_with_plausible_values(ray_session, s
         # exits may never reach the agent, so these are checked as a lower part of the truth.
         assert 0 < value(final, "batches", group=group, trial=t) <= epochs * math.ceil(len(train_ids(spec)) / 8)
         assert value(final, "data_wait_seconds", group=group, trial=t) > 0
-    assert value(final, "staging_budget_bytes", group=group) == spec.staging_bytes
+    assert {value(s, "staging_budget_bytes", group=group) for s in during} - {None} == {spec.staging_bytes}
     peaks = [value(s, "staged_bytes", group=group) or 0 for s in during]
     assert max(peaks) <= spec.staging_bytes
     for stage in ("fetch", "decode_augment", "put"):
         assert value(final, "prep_seconds", group=group, stage=stage) > 0, stage
     assert value(final, "consumers", group=group) == 0
+    # The node cache (it holds the whole dataset here): one storage read per sample, hits after that.
+    n = len(train_ids(spec))
+    assert {value(s, "cache_capacity_bytes", node=node) for s in during} - {None} == {32 * 2**20}
+    assert value(final, "storage_reads", node=node, reader="cache") == n
+    assert value(final, "cache_misses", node=node) == n
+    assert value(final, "cache_hits", node=node, where="local") == expected - n
+    assert 0 < max(value(s, "cache_bytes", node=node) or 0 for s in during) <= 32 * 2**20

@@ -12,6 +12,7 @@ sweep's registry destroyed it at the end) its objects go with it and readers go 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 from typing import Any
@@ -63,13 +64,14 @@ class RawCache:
 
     async def lookup(self, dataset: str, indices: list[int], caller: str) -> list[Any]:
         """One answer per index of ``dataset`` (see :data:`Answer`), in order, for a reader on node ``caller``."""
-        before = dict(self.stats)
-        answers = await asyncio.gather(*(self._one(dataset, i, caller != self.node) for i in indices))
-        for stat, metric, extra in (("hits_local", "cache_hits", {"where": "local"}),
-                                    ("hits_remote", "cache_hits", {"where": "remote"}),
-                                    ("misses", "cache_misses", {}),
-                                    ("storage_reads", "storage_reads", {"reader": "cache"})):
-            metrics.inc(metric, self.stats[stat] - before[stat], **self.tags, **extra)
+        tally: collections.Counter[str] = collections.Counter()  # this call's events (calls overlap)
+        answers = await asyncio.gather(*(self._one(dataset, i, caller != self.node, tally) for i in indices))
+        for stat, value in tally.items():
+            self.stats[stat] += value
+        metrics.inc("cache_hits", tally["hits_local"], **self.tags, where="local")
+        metrics.inc("cache_hits", tally["hits_remote"], **self.tags, where="remote")
+        metrics.inc("cache_misses", tally["misses"], **self.tags)
+        metrics.inc("storage_reads", tally["storage_reads"], **self.tags, reader="cache")
         metrics.set_gauge("cache_bytes", self.policy.used_bytes, **self.tags)
         return list(answers)
 
@@ -83,16 +85,16 @@ class RawCache:
         self.pool.shutdown(wait=False, cancel_futures=True)
         metrics.set_gauge("cache_bytes", 0, **self.tags)
 
-    async def _one(self, dataset: str, index: int, remote: bool) -> Any:
+    async def _one(self, dataset: str, index: int, remote: bool, tally: collections.Counter[str]) -> Any:
         key = (dataset, index)
         ref = self.refs.get(key)
         if self.policy.lookup(key) and ref is not None:
-            self.stats["hits_remote" if remote else "hits_local"] += 1
+            tally["hits_remote" if remote else "hits_local"] += 1
             return ref
-        self.stats["misses"] += 1
+        tally["misses"] += 1
         pending = self.loading.get(key)
         if pending is not None:  # another reader asked first: share its one storage read
-            self.stats["coalesced"] += 1
+            tally["coalesced"] += 1
             return await asyncio.shield(pending)
         if self.policy.full:
             return None  # the reader goes to storage itself; no bytes travel through this actor
@@ -103,8 +105,8 @@ class RawCache:
             if isinstance(data, SampleError):
                 answer: Any = data  # not cached: a broken file stays visible to every reader
             else:
-                self.stats["storage_reads"] += 1
-                self.stats["storage_bytes"] += data.nbytes
+                tally["storage_reads"] += 1
+                tally["storage_bytes"] += data.nbytes
                 answer = ray.put(data)  # this actor owns it; kept only if admitted
                 if self.policy.admit(key, data.nbytes):
                     self.refs[key] = answer
