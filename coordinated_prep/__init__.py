@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import ConfigError, CoordinatedPrepError, DatasetError, PrepError, SampleError
 from coordinated_prep.spec import DataSpec, PipelineSpec
 
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Batch",
+    "CacheSpec",
     "ConfigError",
     "CoordinatedPrepError",
     "CoordinatedSearcher",

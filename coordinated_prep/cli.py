@@ -1,10 +1,12 @@
-"""The ``coordprep`` command: ``coordprep sweep|analyze|bench <experiment.yaml>``."""
+"""The ``coordprep`` command: ``coordprep sweep|analyze|bench <experiment.yaml>`` and ``coordprep convert``."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+import time
+from typing import TextIO
 
 from coordinated_prep.errors import ConfigError, CoordinatedPrepError
 
@@ -25,14 +27,23 @@ def main(argv: list[str] | None = None) -> int:
     analyze.add_argument("--cores", type=int, help="CPU cores for preparation (default: this machine's)")
     analyze.add_argument("--step-ms", type=float, help="time a simulated accelerator step of this many ms per "
                                                        "batch instead of the trainable's model")
-    bench = sub.add_parser("bench", help="benchmark coordinated prep against a DataLoader and DALI per trial")
+    bench = sub.add_parser("bench", help="benchmark coordinated prep against a DataLoader and DALI per trial, "
+                                         "and raw image files against Parquet record files")
     bench.add_argument("experiment", nargs="?", default="experiments/bench.yaml",
                        help="the benchmark's YAML file (default experiments/bench.yaml)")
     bench.add_argument("--trials", help="comma-separated concurrent trial counts, overriding the file (e.g. 1,4)")
     bench.add_argument("--out", help="directory for bench.csv and bench.png (default <storage_path>/<name>)")
+    convert = sub.add_parser("convert", help="write an ImageFolder as a Parquet dataset (record files)")
+    convert.add_argument("imagefolder", help="the ImageFolder directory, or builtin:shapes / builtin:shapes-large")
+    convert.add_argument("out", help="the output directory (created; must be empty unless --overwrite)")
+    convert.add_argument("--shard-size", type=int, help="samples per shard file (default 1024)")
+    convert.add_argument("--row-group-size", type=int,
+                         help="samples per row group, the unit one random read fetches (default 16)")
+    convert.add_argument("--overwrite", action="store_true",
+                         help="replace a Parquet dataset converted into OUT before (only its own files are removed)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    commands = {"sweep": _sweep, "analyze": _analyze, "bench": _bench}
+    commands = {"sweep": _sweep, "analyze": _analyze, "bench": _bench, "convert": _convert}
     try:
         return commands[args.command](args)
     except CoordinatedPrepError as e:
@@ -99,6 +110,59 @@ def _bench(args: argparse.Namespace) -> int:
     paths = write_outputs(rows, out, f"coordprep bench ({machine}; batch {cfg.batch_size}, {cfg.size} px crops)")
     sys.stdout.write("\n" + format_rows(rows) + f"\n\nMachine: {machine}\nWritten: {paths['csv']} and {paths['png']}\n")
     return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from coordinated_prep.convert import convert_imagefolder
+
+    sizes = {name: value for name, value in (("shard_size", args.shard_size), ("row_group_size", args.row_group_size))
+             if value is not None}  # unset: the converter's defaults
+    bar = _ProgressBar(sys.stderr, "converting")
+    try:
+        result = convert_imagefolder(args.imagefolder, args.out, overwrite=args.overwrite, progress=bar.update, **sizes)
+    finally:
+        bar.close()
+    sys.stdout.write(f"{result.out}: {len(result.shards)} shards, {result.samples} samples, "
+                     f"{result.file_bytes / 2**20:.1f} MiB ({result.image_bytes / 2**20:.1f} MiB of images), "
+                     f"{result.seconds:.1f} s\n")
+    return 0
+
+
+class _ProgressBar:
+    """A one-line text progress bar, redrawn with carriage returns at most ten times a second.
+
+    The line ends when the work is complete (or on ``close``), so that log lines start on their own.
+    """
+
+    def __init__(self, stream: TextIO, label: str, width: int = 30, interval_s: float = 0.1) -> None:
+        self._stream, self._label, self._width, self._interval = stream, label, width, interval_s
+        self._last = float("-inf")
+        self._drawn = False
+        self._start: tuple[float, int] | None = None  # (time, done) of the first update: the rate's origin
+
+    def update(self, done: int, total: int) -> None:
+        """Record progress; redraws only when ``interval_s`` has passed or the work is complete."""
+        now = time.perf_counter()
+        if self._start is None:
+            self._start = (now, done)
+        if now - self._last < self._interval and done < total:
+            return
+        self._last = now
+        filled = self._width * done // max(total, 1)
+        rate = (done - self._start[1]) / max(now - self._start[0], 1e-9)
+        self._stream.write(f"\r{self._label} [{'#' * filled}{'.' * (self._width - filled)}] "
+                           f"{done}/{total} ({rate:.0f}/s)")
+        self._drawn = done < total
+        if not self._drawn:
+            self._stream.write("\n")
+        self._stream.flush()
+
+    def close(self) -> None:
+        """End the bar's line (if it drew anything), so later output starts on a fresh line."""
+        if self._drawn:
+            self._stream.write("\n")
+            self._stream.flush()
+            self._drawn = False
 
 
 if __name__ == "__main__":

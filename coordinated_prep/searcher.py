@@ -8,6 +8,7 @@ from typing import Any, Dict, Mapping, Optional
 
 import ray
 from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter, SearchAlgorithm, Searcher, SearchGenerator
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import ConfigError
@@ -22,7 +23,7 @@ _PENDING_WITHOUT_LIMIT = 200  # what Tune allows a BasicVariantGenerator on a sm
 class CoordinatedSearcher(SearchAlgorithm):
     """Wraps a Tune search algorithm and shares data preparation among the trials it suggests.
 
-    It owns a group registry actor (outside every trial's placement group). A trial whose loader
+    It owns a group registry actor, on the driver's node and outside every trial's placement group. A trial whose loader
     has ``coordinated=True`` joins the coordinator of its data group through the registry, which
     starts that coordinator on first use. When Tune reports a trial complete (finished, stopped by
     a scheduler, errored), the trial leaves its group; when a group's last trial leaves, its
@@ -145,6 +146,8 @@ class CoordinatedSearcher(SearchAlgorithm):
 
     def _ensure_registry(self) -> None:
         if self._registry is None:
-            self._registry = GroupRegistry.options(name=registry_name(self.session), namespace=NAMESPACE).remote(
-                self.session, self._cache
-            )
+            here = ray.get_runtime_context().get_node_id()  # the driver's node: it lives as long as the sweep
+            self._registry = GroupRegistry.options(
+                name=registry_name(self.session), namespace=NAMESPACE,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+            ).remote(self.session, self._cache)

@@ -1,4 +1,7 @@
-"""coordprep bench at a tiny size, end to end: every loader, both steps, CSV and PNG (no timings asserted)."""
+"""coordprep bench at a tiny size, end to end: every loader, both steps, raw files and Parquet records, CSV and PNG.
+
+No timings are asserted: only that every row is there, with the counts it must have.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +15,11 @@ from coordinated_prep.cli import main
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.plan import holdout_split
 from coordinated_prep.sources import open_source
+from coordinated_prep.sources.parquet import MANIFEST
 from tests.conftest import live_coordprep_actors
 
 
-def test_a_tiny_bench_runs_every_loader_and_writes_csv_and_png(ray_session, small_dataset, tmp_path, capsys):
+def test_a_tiny_bench_runs_every_loader_and_format_and_writes_csv_and_png(ray_session, small_dataset, tmp_path, capsys):
     path = tmp_path / "bench.yaml"
     path.write_text(textwrap.dedent(f"""
         name: tiny
@@ -30,15 +34,27 @@ def test_a_tiny_bench_runs_every_loader_and_writes_csv_and_png(ray_session, smal
         cnn_trials: [1]
         cnn_batches: 2
         cnn_width: 4
+        record_trials: [1]
         cores: 2
     """))
     assert main(["bench", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "coordinated-dali" in out and "Written:" in out
+    assert "coordinated-dali" in out and "Written:" in out and "parquet" in out
     rows = list(csv.DictReader((tmp_path / "runs" / "tiny" / "bench.csv").open()))
-    assert [(r["step"], r["trials"]) for r in rows[::4]] == [("simulated", "1"), ("simulated", "2"), ("cnn", "1")]
     epoch = len(holdout_split(len(open_source(small_dataset)), 0.1)[0])
+    reads = [r for r in rows if r["step"] == "read"]
+    assert [(r["format"], r["cache"]) for r in reads] == [("files", "cold"), ("files", "warm"),
+                                                          ("parquet", "cold"), ("parquet", "warm")]
+    for r in reads:  # the whole training split, shuffled, without decoding
+        assert int(r["samples"]) == epoch and float(r["samples_per_s"]) > 0 and float(r["mb_per_s"]) > 0, r
+    assert (tmp_path / "runs" / "tiny" / "parquet" / MANIFEST).is_file(), "the dataset was converted once"
+    files = [r for r in rows if r["step"] != "read" and r["format"] == "files"]
+    assert [(r["step"], r["trials"]) for r in files[::4]] == [("simulated", "1"), ("simulated", "2"), ("cnn", "1")]
+    records = [(r["step"], r["loader"], r["trials"]) for r in rows if r["step"] != "read" and r["format"] == "parquet"]
+    assert records == [("simulated", "dataloader", "1"), ("simulated", "coordinated-torchvision", "1")]
     for r in rows:
+        if r["step"] == "read":
+            continue
         assert float(r["samples_per_s"]) > 0, r
         if (r["step"], r["loader"]) != ("cnn", "dali"):  # DALI's threads share the CNN's process
             assert float(r["prep_cpu_s"]) > 0, r
@@ -47,7 +63,7 @@ def test_a_tiny_bench_runs_every_loader_and_writes_csv_and_png(ray_session, smal
             expected_work = 1.0 if r["loader"].startswith("coordinated") else float(r["trials"])
             assert float(r["prep_work_x"]) == pytest.approx(expected_work), r
         assert (float(r["peak_staging_bytes"]) > 0) == r["loader"].startswith("coordinated"), r
-    assert float(rows[0]["vs_best_independent"]) > 0
+    assert float(files[0]["vs_best_independent"]) > 0 and float(rows[-1]["vs_best_independent"]) > 0
     png = (tmp_path / "runs" / "tiny" / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert live_coordprep_actors() == []
@@ -56,11 +72,14 @@ def test_a_tiny_bench_runs_every_loader_and_writes_csv_and_png(ray_session, smal
 def test_the_shipped_bench_file_is_valid():
     cfg = load_bench("experiments/bench.yaml")
     assert cfg.trials == (1, 2, 4, 8) and cfg.size == 224 and cfg.batch_size >= 64
+    assert cfg.record_trials == (1, 4) and cfg.record_loaders == ("dataloader", "coordinated-torchvision")
 
 
 @pytest.mark.parametrize("text, named", [("trials: [0]", "bench.trials"), ("loaders: [torch]", "torch"),
                                          ("sizes: 3", "sizes"), ("steps: []", "bench.steps"),
-                                         ("cnn_batches: 1", "bench.cnn_batches")])
+                                         ("cnn_batches: 1", "bench.cnn_batches"),
+                                         ("record_trials: [0]", "bench.record_trials"),
+                                         ("record_loaders: [dali]", "dali reads image files itself")])
 def test_bad_bench_files_name_the_key(tmp_path, text, named):
     path = tmp_path / "b.yaml"
     path.write_text(text + "\n")

@@ -13,7 +13,8 @@ from ray import tune
 
 from coordinated_prep import CoordinatedSearcher, DataSpec
 from coordinated_prep.cache import CacheSpec, LruPolicy
-from coordinated_prep.cache.actor import RawCache
+from coordinated_prep.cache.actor import RawCache, Region
+from coordinated_prep.cache.arena import ArenaReader
 from coordinated_prep.plan import StreamPlan, holdout_split
 from coordinated_prep.sources import open_source
 from tests.conftest import live_coordprep_actors
@@ -33,6 +34,7 @@ def test_minio_hit_rate_is_the_cached_fraction_while_lru_of_the_same_size_falls_
     cache = RawCache.remote(CacheSpec(capacity), node, "test-cache")
     plan = StreamPlan(np.arange(n), seed=0, chunk_size=16, segments=4)
     lru = LruPolicy(capacity)
+    arena = ArenaReader(ray.get(cache.arena_path.remote()))  # what a prep actor on the node maps
     minio_rates, lru_rates, got, own_reads = [], [], {}, 0
     with FileOpens(small_dataset) as opens:
         for epoch in range(EPOCHS):
@@ -45,8 +47,10 @@ def test_minio_hit_rate_is_the_cached_fraction_while_lru_of_the_same_size_falls_
                     if answer is None:  # not cached, and the cache is full: read it from storage
                         own_reads += 1
                         got[i] = source.read(i)
-                    else:
-                        got[i] = bytes(ray.get(answer))
+                    elif isinstance(answer, Region):  # cached: a zero-copy view of shared memory
+                        got[i] = bytes(arena.view(answer.offset, answer.length))
+                    else:  # read by the cache just as it filled up, sent in the reply
+                        got[i] = answer.tobytes()
                     if lru.lookup(i):
                         lru_hits += 1
                     else:
@@ -55,6 +59,7 @@ def test_minio_hit_rate_is_the_cached_fraction_while_lru_of_the_same_size_falls_
             minio_rates.append((after["hits_local"] - before["hits_local"]) / n)
             lru_rates.append(lru_hits / n)
     report = ray.get(cache.report.remote())
+    ray.get(cache.clear.remote())
     ray.kill(cache)
     assert not opens.overflowed
     cached = report["items"] / n

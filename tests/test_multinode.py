@@ -7,6 +7,8 @@ prep actors; the node caches split the dataset by seed; storage reads are counte
 
 from __future__ import annotations
 
+import glob
+import os
 import threading
 
 import numpy as np
@@ -18,6 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from coordinated_prep import CoordinatedSearcher, DataSpec
 from coordinated_prep.cache import CacheLayout, CacheSpec
+from coordinated_prep.cache.arena import arena_dir
 from coordinated_prep.plan import holdout_split
 from coordinated_prep.sources import open_source
 from tests.conftest import REPO
@@ -32,8 +35,6 @@ WORKERS = ("node_a", "node_b")
 @pytest.fixture(scope="module")
 def cluster():
     """A head (driver, registry) and two worker nodes, each tagged with its own custom resource."""
-    import os
-
     from ray.cluster_utils import Cluster
 
     store = 200 * 2**20
@@ -78,6 +79,7 @@ def test_each_node_serves_its_own_trials_and_storage_is_read_once(cluster, small
         groups, caches = searcher.group_reports(), searcher.cache_reports()
     searcher.close()
     assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    assert not glob.glob(f"{arena_dir()}/coordprep-{searcher.session}-*")  # the caches deleted their arenas
     records = load_records(str(tmp_path))
     node_ids = {name: node.node_id for name, node in nodes.items()}
     for trial in analysis.trials:
@@ -129,6 +131,8 @@ def test_a_node_leaving_mid_sweep_sends_its_part_back_to_storage_and_the_others_
         caches = searcher.cache_reports()
     searcher.close()
     ray.kill(gate)
+    for path in glob.glob(f"{arena_dir()}/coordprep-{searcher.session}-*"):  # the lost node's, on this machine
+        os.unlink(path)
     by_node = {n: [t for t in analysis.trials if t.config["node"] == n] for n in WORKERS}
     assert all(t.status == "TERMINATED" for t in by_node["node_a"]), [t.error_file for t in by_node["node_a"]]
     assert all(t.status == "ERROR" for t in by_node["node_b"])  # they died with their node

@@ -30,7 +30,7 @@ def _write(tmp_path, text: str) -> str:
 
 
 def test_every_example_in_experiments_is_valid():
-    for name in ("default", "asha", "unshared"):
+    for name in ("default", "asha", "unshared", "cached"):
         cfg = load_sweep(f"experiments/{name}.yaml")
         assert cfg.data.dataset == "builtin:shapes"
 
@@ -42,6 +42,12 @@ def test_a_good_file_parses_into_dataclasses(tmp_path):
     assert cfg.scheduler.type == "asha" and cfg.max_concurrent_trials == 2
     space = cfg.param_space()
     assert space["data"] is cfg.data and "grid_search" in space["width"]
+    assert cfg.cache is None
+
+
+def test_a_cache_is_configured_with_units(tmp_path):
+    cfg = load_sweep(_write(tmp_path, GOOD + "cache: {capacity_bytes: 256MiB, partitioned: false}\n"))
+    assert cfg.cache.capacity_bytes == 256 * 2**20 and cfg.cache.partitioned is False
 
 
 @pytest.mark.parametrize("change, message", [
@@ -60,6 +66,9 @@ def test_a_good_file_parses_into_dataclasses(tmp_path):
     (("{choice: [16, 32]}", "{choice: [0, 32]}"), "search_space.batch_size: 0 must be an integer >= 1"),
     (("epochs: 2", "epochs: 0.5"), "search_space.epochs: 0.5 must be an integer >= 1"),
     (("  epochs: 2\n", ""), "search_space.epochs is required by trainable 'small_cnn'"),
+    (("num_samples: 2", "num_samples: 2\ncache: {capacity_bytes: lots}"), "cache.capacity_bytes='lots' must be"),
+    (("num_samples: 2", "num_samples: 2\ncache: {capacity: 1GiB}"), r"cache: unknown key\(s\) \['capacity'\]"),
+    (("num_samples: 2", "num_samples: 2\ncache: 1GiB"), "cache must be a mapping"),
 ])
 def test_mistakes_name_the_file_key_and_allowed_values(tmp_path, change, message):
     path = _write(tmp_path, GOOD.replace(*change))

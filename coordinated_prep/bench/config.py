@@ -13,6 +13,8 @@ from coordinated_prep.sweep.yaml_loader import load_yaml
 LOADERS = ("dataloader", "dali", "coordinated-torchvision", "coordinated-dali")
 INDEPENDENT = ("dataloader", "dali")
 STEPS = ("simulated", "cnn")
+#: Loaders that read Parquet record files (per-trial DALI reads image files with its own reader).
+RECORD_LOADERS = ("dataloader", "coordinated-torchvision", "coordinated-dali")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,10 @@ class BenchConfig:
         cnn_batches: Batches per trial for the CNN step (0 = whole epochs; else at least 2, since
             the first batch of every trial counts as start-up).
         cnn_width: Channel width of the small CNN.
+        record_trials: Trial counts for the loaders reading the dataset as Parquet record files
+            (converted once into ``<storage_path>/<name>/parquet``), simulated step only; empty
+            for none. The read-only rows (raw files against records, cold and warm) always run.
+        record_loaders: Loaders run on the record files (see ``RECORD_LOADERS``).
         cores: CPU cores for preparation (default: the machine's); independent loaders split them
             evenly over the trials (at least one worker each), coordinated ones run one prep actor
             per core.
@@ -54,6 +60,8 @@ class BenchConfig:
     cnn_trials: tuple[int, ...] = (1, 2)
     cnn_batches: int = 4
     cnn_width: int = 8
+    record_trials: tuple[int, ...] = (1, 4)
+    record_loaders: tuple[str, ...] = ("dataloader", "coordinated-torchvision")
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
     object_store_mb: int = 2048
 
@@ -69,11 +77,15 @@ class BenchConfig:
             value = getattr(self, name)
             if not value or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in value):
                 raise ConfigError(f"bench.{name}={list(value)!r} must be a non-empty list of positive integers")
-        for name, allowed in (("loaders", LOADERS), ("steps", STEPS)):
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in self.record_trials):
+            raise ConfigError(f"bench.record_trials={list(self.record_trials)!r} must be a list of positive integers "
+                              "([] for no record-file runs)")
+        for name, allowed in (("loaders", LOADERS), ("steps", STEPS), ("record_loaders", RECORD_LOADERS)):
             value = getattr(self, name)
             bad = [v for v in value if v not in allowed]
             if not value or bad:
-                raise ConfigError(f"bench.{name}: {bad or 'empty'} not allowed; choose from {list(allowed)}")
+                hint = "; per-trial dali reads image files itself" if "dali" in bad and name == "record_loaders" else ""
+                raise ConfigError(f"bench.{name}: {bad or 'empty'} not allowed; choose from {list(allowed)}{hint}")
         if not self.simulated_step_ms > 0:
             raise ConfigError(f"bench.simulated_step_ms={self.simulated_step_ms!r} must be positive")
 

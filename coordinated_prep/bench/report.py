@@ -8,22 +8,39 @@ from typing import Any, Mapping, Sequence
 
 from coordinated_prep.sweep.summary import format_table
 
-COLUMNS = ("step", "loader", "trials", "samples_per_s", "vs_best_independent", "prep_cpu_s",
-           "prep_cpu_ms_per_sample_read", "prep_work_x", "peak_staging_bytes", "stall_fraction", "startup_s", "samples", "samples_read",
-           "window_s", "workers_per_trial")
+COLUMNS = ("step", "loader", "format", "cache", "trials", "samples_per_s", "mb_per_s", "storage_mb",
+           "vs_best_independent", "prep_cpu_s", "prep_cpu_ms_per_sample_read", "prep_work_x", "peak_staging_bytes",
+           "stall_fraction", "startup_s", "samples", "samples_read", "window_s", "workers_per_trial")
+
+
+def _num(v: Any, fmt: str) -> str:
+    return fmt.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
 
 
 def format_rows(rows: Sequence[Mapping[str, Any]]) -> str:
-    """The rows as an aligned table."""
-    def num(v: Any, fmt: str) -> str:
-        return fmt.format(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
+    """The rows as aligned tables: the read-only rows (if any), then the loaders' rows (if any)."""
+    reads = [r for r in rows if r["step"] == "read"]
+    loaders = [r for r in rows if r["step"] != "read"]
+    tables = []
+    if reads:
+        tables.append(format_table(
+            ["read-only", "format", "cache", "samples/s", "MB/s", "storage MB read"],
+            [["shuffled", r["format"], r["cache"], _num(r["samples_per_s"], "{:.0f}"), _num(r["mb_per_s"], "{:.1f}"),
+              _num(r.get("storage_mb"), "{:.1f}")] for r in reads],
+        ))
+    if loaders:
+        tables.append(_format_loaders(loaders))
+    return "\n\n".join(tables)
 
+
+def _format_loaders(rows: Sequence[Mapping[str, Any]]) -> str:
     return format_table(
-        ["step", "loader", "N", "samples/s", "vs best indep.", "prep CPU ms/sample", "prep work", "peak MiB", "stall", "start-up s"],
-        [[r["step"], r["loader"], r["trials"], num(r["samples_per_s"], "{:.0f}"),
-          num(r.get("vs_best_independent"), "{:.2f}x"), num(r["prep_cpu_ms_per_sample_read"], "{:.2f}"),
-          num(r["prep_work_x"], "{:.2f}x"), num(r["peak_staging_bytes"] / 2**20, "{:.0f}"),
-          num(r["stall_fraction"], "{:.2f}"), num(r.get("startup_s"), "{:.1f}")] for r in rows],
+        ["step", "loader", "data", "N", "samples/s", "vs best indep.", "prep CPU ms/sample", "prep work", "peak MiB",
+         "stall", "start-up s"],
+        [[r["step"], r["loader"], r.get("format", "files"), r["trials"], _num(r["samples_per_s"], "{:.0f}"),
+          _num(r.get("vs_best_independent"), "{:.2f}x"), _num(r["prep_cpu_ms_per_sample_read"], "{:.2f}"),
+          _num(r["prep_work_x"], "{:.2f}x"), _num(r["peak_staging_bytes"] / 2**20, "{:.0f}"),
+          _num(r["stall_fraction"], "{:.2f}"), _num(r.get("startup_s"), "{:.1f}")] for r in rows],
     )
 
 
@@ -40,21 +57,27 @@ def write_outputs(rows: Sequence[Mapping[str, Any]], directory: str, title: str)
 
 
 def plot(rows: Sequence[Mapping[str, Any]], path: str, title: str) -> None:
-    """One panel per step: aggregate samples/s against N for each loader, with the ideal line."""
+    """One panel per step: aggregate samples/s against N for each loader and format, with the ideal line.
+
+    The read-only rows are in the table and the CSV, not in the plot.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [dict(r, line=r["loader"] + ("" if r.get("format", "files") == "files" else f" ({r['format']})"))
+            for r in rows if r["step"] != "read"]
     steps = list(dict.fromkeys(r["step"] for r in rows))
     fig, axes = plt.subplots(1, len(steps), figsize=(6 * len(steps), 4.5), squeeze=False)
     for ax, step in zip(axes[0], steps):
         mine = [r for r in rows if r["step"] == step]
-        for loader in dict.fromkeys(r["loader"] for r in mine):
-            pts = sorted((r["trials"], r["samples_per_s"]) for r in mine if r["loader"] == loader)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=loader,
-                    linestyle="-" if loader.startswith("coordinated") else "--")
-        ones = [r for r in mine if r["trials"] == min(x["trials"] for x in mine) and r["loader"] in ("dataloader", "dali")]
+        for line in dict.fromkeys(r["line"] for r in mine):
+            pts = sorted((r["trials"], r["samples_per_s"]) for r in mine if r["line"] == line)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s" if "(" in line else "o", label=line,
+                    linestyle="-" if line.startswith("coordinated") else "--")
+        independent = [r for r in mine if r["line"] in ("dataloader", "dali")]  # on the raw files
+        ones = [r for r in independent if r["trials"] == min(x["trials"] for x in independent)]
         if ones:
             base = max(r["samples_per_s"] / r["trials"] for r in ones)
             ns = sorted({r["trials"] for r in mine})

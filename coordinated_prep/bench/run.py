@@ -1,5 +1,9 @@
 """``coordprep bench``: the four loaders side by side, N concurrent Tune trials at a time.
 
+It also compares raw image files with Parquet record files (the dataset converted once into
+``<storage_path>/<name>/parquet``): read-only rows, cold and warm (``bench/reads.py``), and the
+``record_loaders`` on the record files at ``record_trials`` with the simulated step.
+
 One Ray instance serves the whole benchmark. Each measurement is one Tune run of N trials with
 one loader and one step; its aggregate rate is the samples all trials read after their first
 batch divided by the window from the first trial's first batch to the last trial's last batch.
@@ -16,50 +20,98 @@ import statistics
 from typing import Any, Callable
 
 from coordinated_prep.bench.config import INDEPENDENT, BenchConfig
+from coordinated_prep.bench.reads import read_rows
 from coordinated_prep.bench.trials import bench_trial
+from coordinated_prep.errors import ConfigError
+from coordinated_prep.plan import holdout_split
 from coordinated_prep.searcher import CoordinatedSearcher
-from coordinated_prep.sources import open_source
+from coordinated_prep.sources import ImageFolderSource, ParquetSource, open_source
 from coordinated_prep.spec import DataSpec
 
 logger = logging.getLogger(__name__)
 
 
-def data_spec(cfg: BenchConfig, loader: str) -> DataSpec:
-    """The DataSpec of ``loader``: the same data and augmentation for all four."""
+def data_spec(cfg: BenchConfig, loader: str, dataset: str | None = None) -> DataSpec:
+    """The DataSpec of ``loader``: the same data and augmentation for all four (``dataset``: another copy)."""
     backend = "dali" if loader.endswith("dali") else "torchvision"
-    return DataSpec(dataset=cfg.dataset, pipeline={"size": cfg.size, "backend": backend}, seed=0,
+    return DataSpec(dataset=dataset or cfg.dataset, pipeline={"size": cfg.size, "backend": backend}, seed=0,
                     coordinated=loader.startswith("coordinated"), chunk_size=cfg.batch_size, segments=4,
                     prep_actors=cfg.cores)
 
 
 def run_bench(cfg: BenchConfig, progress: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """Run every (step, N, loader) of ``cfg``; returns one row each (see :func:`measure`)."""
+    """Run the read-only rows, then every (step, N, loader) of ``cfg``; returns one row each (see :func:`measure`).
+
+    Raises:
+        ConfigError: ``cfg.dataset`` is not an ImageFolder (the benchmark needs the raw files).
+    """
     import ray
 
-    open_source(cfg.dataset)  # generate the dataset once, before any trial needs it
+    images, records = prepare_records(cfg)  # generates the dataset too, before any trial needs it
+    rows: list[dict[str, Any]] = []
+
+    def emit(row: dict[str, Any]) -> None:
+        rows.append(row)
+        if progress:
+            progress(row)
+
+    train_ids, _ = holdout_split(len(images), DataSpec().holdout)
+    for source, files, fmt in ((images, images.paths, "files"), (records, records.shards, "parquet")):
+        for row in read_rows(source, files, fmt, train_ids, seed=0):
+            emit(row)
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=cfg.cores, object_store_memory=cfg.object_store_mb * 2**20, include_dashboard=False,
                  log_to_driver=False)
-    rows = []
     try:
         for step in cfg.steps:
+            best: dict[int, float | None] = {}  # per N: the best independent loader's rate on the raw files
             for n in cfg.trials if step == "simulated" else cfg.cnn_trials:
                 measured = [measure(cfg, loader, n, step) for loader in cfg.loaders]
-                best = max((r["samples_per_s"] for r in measured if r["loader"] in INDEPENDENT), default=None)
+                best[n] = max((r["samples_per_s"] for r in measured if r["loader"] in INDEPENDENT), default=None)
                 for row in measured:
-                    row["vs_best_independent"] = row["samples_per_s"] / best if best else None
-                    rows.append(row)
-                    if progress:
-                        progress(row)
+                    emit(dict(row, vs_best_independent=_ratio(row["samples_per_s"], best[n])))
+            if step == "simulated":
+                for n in cfg.record_trials:  # against the raw files' best independent loader at the same N
+                    for loader in cfg.record_loaders:
+                        row = measure(cfg, loader, n, step, dataset=records.root, fmt="parquet")
+                        emit(dict(row, vs_best_independent=_ratio(row["samples_per_s"], best.get(n))))
     finally:
         if started:
             ray.shutdown()
     return rows
 
 
-def measure(cfg: BenchConfig, loader: str, trials: int, step: str) -> dict[str, Any]:
+def _ratio(rate: float, best: float | None) -> float | None:
+    return rate / best if best else None
+
+
+def prepare_records(cfg: BenchConfig) -> tuple[ImageFolderSource, ParquetSource]:
+    """The dataset's raw files, and its Parquet copy converted into ``<storage_path>/<name>/parquet``.
+
+    The copy is written anew on every run (replacing the last one), so it always matches the files.
+
+    Raises:
+        ConfigError: ``cfg.dataset`` is not an ImageFolder or builtin dataset.
+    """
+    from coordinated_prep.convert import convert_imagefolder
+
+    images = open_source(cfg.dataset)
+    if not isinstance(images, ImageFolderSource):
+        raise ConfigError(f"bench.dataset={cfg.dataset!r} must be an ImageFolder directory or a builtin dataset: the "
+                          "benchmark reads its raw files and converts them to Parquet itself")
+    out = os.path.abspath(os.path.join(cfg.storage_path, cfg.name, "parquet"))
+    result = convert_imagefolder(cfg.dataset, out, overwrite=True)
+    logger.info("bench: %s converted to %d Parquet shard(s) in %s (%.1f s)", cfg.dataset, len(result.shards), out,
+                result.seconds)
+    return images, ParquetSource(out)
+
+
+def measure(cfg: BenchConfig, loader: str, trials: int, step: str, dataset: str | None = None,
+            fmt: str = "files") -> dict[str, Any]:
     """One Tune run of ``trials`` concurrent trials reading with ``loader``; returns its row.
+
+    ``dataset`` replaces ``cfg.dataset`` (the Parquet copy, named ``fmt`` in the row).
 
     Row fields: ``samples_per_s`` (all trials together), ``prep_cpu_s`` (CPU seconds spent
     preparing: the prep actors', or the trials' DataLoader workers or DALI threads),
@@ -69,7 +121,7 @@ def measure(cfg: BenchConfig, loader: str, trials: int, step: str) -> dict[str, 
     """
     from ray import tune
 
-    spec = data_spec(cfg, loader)
+    spec = data_spec(cfg, loader, dataset)
     workers = max(1, round(cfg.cores / trials))  # independent loaders split the cores fairly
     config = {"data": spec, "loader": loader, "step": step, "epochs": cfg.epochs, "batch_size": cfg.batch_size,
               "workers": workers, "step_ms": cfg.simulated_step_ms, "width": cfg.cnn_width,
@@ -80,7 +132,7 @@ def measure(cfg: BenchConfig, loader: str, trials: int, step: str) -> dict[str, 
         analysis = tune.run(tune.with_resources(bench_trial, {"cpu": 0.01}), config=config, search_alg=searcher,
                             verbose=0, raise_on_failed_trial=True, storage_path=os.path.abspath(
                                 os.path.join(cfg.storage_path, cfg.name, "tune")),
-                            name=f"{step}-{loader}-{trials}")
+                            name=f"{step}-{loader}-{trials}" + ("" if fmt == "files" else f"-{fmt}"))
         groups = searcher.group_reports()
     finally:
         searcher.close()
@@ -99,7 +151,7 @@ def measure(cfg: BenchConfig, loader: str, trials: int, step: str) -> dict[str, 
         prepared = read  # each trial prepared what it read (and what its loader fetched ahead)
         peak = 0
     return {
-        "step": step, "loader": loader, "trials": trials, "samples": samples, "window_s": window,
+        "step": step, "loader": loader, "format": fmt, "trials": trials, "samples": samples, "window_s": window,
         "samples_per_s": samples / window, "prep_cpu_s": prep_cpu,
         "prep_cpu_ms_per_sample_read": None if prep_cpu is None else 1000 * prep_cpu / read,
         "samples_read": read, "prep_work_x": prepared * trials / read,

@@ -3,7 +3,10 @@
 The independent loaders are what a user would write without this library: a
 ``torch.utils.data.DataLoader`` over the files with the torchvision transforms, or a DALI
 pipeline with its own file reader and random crop. Both apply the same augmentation (random
-resized crop to ``size``, horizontal flip) to the same JPEGs as the coordinated loaders.
+resized crop to ``size``, horizontal flip) to the same JPEGs as the coordinated loaders. On the
+Parquet copy of the dataset the DataLoader reads through the same ``ParquetSource`` as the
+coordinated loaders (its forked workers open their own shard handles); DALI's file reader has no
+Parquet counterpart, so per-trial DALI runs on the raw files only.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
-"""The node's raw-data cache actor: encoded samples in the object store, admitted by MinIO.
+"""The node's raw-data cache actor: encoded samples in a shared-memory arena, admitted by MinIO.
 
-Life cycle of a cached sample: a prep actor asks its owner node's cache for it (``lookup``); on
-the first miss the cache reads it from storage (one read, however many prep actors, groups or
-nodes ask at once), puts the encoded bytes into its node's object store as a uint8 array and,
-while the capacity lasts, keeps the reference for the rest of the sweep. The cache actor owns
-every cached object: readers borrow references and map the bytes zero-copy (on its own node) or
-pull a copy over the network (on another node). When the cache actor dies (its node left, or the
-sweep's registry destroyed it at the end) its objects go with it and readers go back to storage.
+Life cycle of a cached sample: a prep actor asks its owner node's cache for a piece's samples in one
+call (``lookup``). On the first miss the cache reads the sample from storage (one read, however many
+prep actors, groups or nodes ask at once) and, while the capacity lasts, appends its encoded bytes to
+the node's arena (:mod:`coordinated_prep.cache.arena`), where they stay for the rest of the sweep.
+A reader on the same node gets (offset, length) and slices its own read-only mapping of the arena,
+zero-copy; a reader on another node gets the bytes in the reply, through Ray. The cache actor owns
+the arena: the registry creates the actor when the sweep's first group starts and calls ``clear``
+(which deletes the arena) before destroying it. If the actor's node leaves, the arena goes with it
+and readers go back to storage.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
-from typing import Any
+import os
+from typing import Any, NamedTuple
 
 import numpy as np
 import ray
 
 from coordinated_prep import metrics
+from coordinated_prep.cache.arena import Arena, arena_dir
 from coordinated_prep.cache.policy import MinioPolicy
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import SampleError
@@ -28,44 +32,57 @@ from coordinated_prep.sources import open_source
 
 logger = logging.getLogger(__name__)
 
-#: What a lookup answers per sample: a reference to its bytes, a SampleError for a broken sample,
-#: or None for "not cached and the cache is full: read it from storage yourself".
-Answer = "ray.ObjectRef | SampleError | None"
+
+class Region(NamedTuple):
+    """Answer for a reader on the cache's node: where the sample lies in the node's arena."""
+
+    offset: int
+    length: int
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
 class RawCache:
     """One per node and sweep, shared by every data group of the sweep on the node.
 
+    ``lookup`` answers, per sample: a :class:`Region` (cached; the reader is on this node), the
+    encoded bytes (cached or just read, for a reader elsewhere), a :class:`SampleError` (the file is
+    broken), or None (not cached and the cache is full: the reader reads storage itself, and no
+    bytes pass through this actor).
+
     Args:
         spec: Capacity and reading options.
         node: Id of the node it runs on (it is created with hard node affinity).
-        name: Its actor name, for logs.
+        name: Its actor name: also the arena's file name.
     """
 
     def __init__(self, spec: CacheSpec, node: str, name: str) -> None:
         self.spec = spec
         self.node = node
         self.name = name
-        self.policy = MinioPolicy(int(spec.capacity_bytes))
-        self.refs: dict[tuple[str, int], ray.ObjectRef] = {}
+        capacity = int(spec.capacity_bytes)
+        free = _free_bytes(arena_dir())
+        if free is not None and capacity > free:
+            logger.warning("cache %s: capacity %d bytes is more than the %d bytes free in %s; samples past that "
+                           "would fail to be cached: lower cache.capacity_bytes", name, capacity, free, arena_dir())
+        self.arena = Arena(name, capacity)
+        self.policy = MinioPolicy(capacity)
+        self.regions: dict[tuple[str, int], tuple[int, int]] = {}
         self.loading: dict[tuple[str, int], asyncio.Future] = {}
         self.pool = concurrent.futures.ThreadPoolExecutor(spec.read_threads, thread_name_prefix="coordprep-cache")
-        self.stats: dict[str, Any] = {"node": node, "capacity_bytes": self.policy.capacity_bytes, "hits_local": 0,
-                                      "hits_remote": 0, "misses": 0, "coalesced": 0, "storage_reads": 0,
-                                      "storage_bytes": 0}
+        self.stats: dict[str, Any] = {"node": node, "capacity_bytes": capacity, "hits_local": 0, "hits_remote": 0,
+                                      "misses": 0, "coalesced": 0, "storage_reads": 0, "storage_bytes": 0}
         self.tags = {"node": node[:16]}
-        store = _object_store_bytes(node)
-        if store and self.policy.capacity_bytes > 0.5 * store:
-            logger.warning("cache %s: capacity %d bytes is over half of the node's object store (%d bytes); cached "
-                           "samples are pinned there and crowd out prepared pieces: lower cache.capacity_bytes",
-                           name, self.policy.capacity_bytes, store)
-        metrics.set_gauge("cache_capacity_bytes", self.policy.capacity_bytes, **self.tags)
+        metrics.set_gauge("cache_capacity_bytes", capacity, **self.tags)
+
+    async def arena_path(self) -> str:
+        """The arena's file, for readers on this node to map."""
+        return self.arena.path
 
     async def lookup(self, dataset: str, indices: list[int], caller: str) -> list[Any]:
-        """One answer per index of ``dataset`` (see :data:`Answer`), in order, for a reader on node ``caller``."""
+        """One answer per index of ``dataset``, in order, for a reader on node ``caller``."""
         tally: collections.Counter[str] = collections.Counter()  # this call's events (calls overlap)
-        answers = await asyncio.gather(*(self._one(dataset, i, caller != self.node, tally) for i in indices))
+        local = caller == self.node
+        answers = await asyncio.gather(*(self._one(dataset, i, local, tally) for i in indices))
         for stat, value in tally.items():
             self.stats[stat] += value
         metrics.inc("cache_hits", tally["hits_local"], **self.tags, where="local")
@@ -80,38 +97,47 @@ class RawCache:
         return dict(self.stats, used_bytes=self.policy.used_bytes, items=len(self.policy), full=self.policy.full)
 
     async def clear(self) -> None:
-        """Drop every cached sample (the registry calls it at the end of the sweep)."""
-        self.refs.clear()
+        """Delete the arena and stop reading (the registry calls it at the end of the sweep)."""
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.arena.close()
         metrics.set_gauge("cache_bytes", 0, **self.tags)
 
-    async def _one(self, dataset: str, index: int, remote: bool, tally: collections.Counter[str]) -> Any:
+    async def _one(self, dataset: str, index: int, local: bool, tally: collections.Counter[str]) -> Any:
         key = (dataset, index)
-        ref = self.refs.get(key)
-        if self.policy.lookup(key) and ref is not None:
-            tally["hits_remote" if remote else "hits_local"] += 1
-            return ref
+        if self.policy.lookup(key):
+            tally["hits_local" if local else "hits_remote"] += 1
+            return self._answer(self.regions[key], local)
         tally["misses"] += 1
         pending = self.loading.get(key)
         if pending is not None:  # another reader asked first: share its one storage read
             tally["coalesced"] += 1
-            return await asyncio.shield(pending)
-        if self.policy.full:
-            return None  # the reader goes to storage itself; no bytes travel through this actor
+            result = await asyncio.shield(pending)
+        elif self.policy.full:
+            return None
+        else:
+            result = await self._load(dataset, index, tally)
+        if isinstance(result, tuple):
+            return self._answer(result, local)
+        return result  # bytes read but not admitted, or a SampleError
+
+    async def _load(self, dataset: str, index: int, tally: collections.Counter[str]) -> Any:
+        """Read a sample from storage once; admit it if it fits. Returns its region, or the bytes/error."""
+        key = (dataset, index)
         loop = asyncio.get_running_loop()
         future = self.loading[key] = loop.create_future()
         try:
             data = await loop.run_in_executor(self.pool, _read, dataset, index)
             if isinstance(data, SampleError):
-                answer: Any = data  # not cached: a broken file stays visible to every reader
+                result: Any = data  # not cached: a broken file stays visible to every reader
             else:
                 tally["storage_reads"] += 1
-                tally["storage_bytes"] += data.nbytes
-                answer = ray.put(data)  # this actor owns it; kept only if admitted
-                if self.policy.admit(key, data.nbytes):
-                    self.refs[key] = answer
-            future.set_result(answer)
-            return answer
+                tally["storage_bytes"] += len(data)
+                if self.policy.admit(key, len(data)):
+                    result = self.regions[key] = self.arena.append(data)
+                else:
+                    result = np.frombuffer(data, dtype=np.uint8)
+            future.set_result(result)
+            return result
         except BaseException as e:
             future.set_exception(e)
             future.exception()  # retrieved: no "never retrieved" warning when nobody else waited
@@ -119,16 +145,22 @@ class RawCache:
         finally:
             del self.loading[key]
 
+    def _answer(self, region: tuple[int, int], local: bool) -> Any:
+        if local:
+            return Region(*region)
+        return np.frombuffer(self.arena.view(*region), dtype=np.uint8).copy()  # travels in the reply
 
-def _read(dataset: str, index: int) -> np.ndarray | SampleError:
+
+def _read(dataset: str, index: int) -> bytes | SampleError:
     try:
-        return np.frombuffer(open_source(dataset).read(index), dtype=np.uint8)
+        return open_source(dataset).read(index)
     except SampleError as e:
         return e
 
 
-def _object_store_bytes(node: str) -> float:
-    for info in ray.nodes():
-        if info["NodeID"] == node:
-            return float(info["Resources"].get("object_store_memory", 0.0))
-    return 0.0
+def _free_bytes(path: str) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize

@@ -9,6 +9,8 @@ import numpy as np
 import ray
 
 from coordinated_prep import metrics
+from coordinated_prep.cache.actor import Region
+from coordinated_prep.cache.arena import ArenaReader
 from coordinated_prep.cache.layout import CacheLayout
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.contracts import DataSource
@@ -25,7 +27,8 @@ class CachedSource:
     """Wraps a data source: samples come from their owner node's cache, else from storage.
 
     Each read of a piece asks every owner cache once for its samples (one call per node, all in
-    flight together). A cache that is gone (its node left the cluster) is marked lost and its
+    flight together). Samples the own node's cache holds are read from its arena through a
+    read-only mapping, zero-copy; another node's cache sends them in its reply. A cache that is gone (its node left the cluster) is marked lost and its
     samples are read from storage from then on; one that does not answer within the timeout is
     passed over for this piece only. Counts ``storage_reads`` and ``cache_hits`` for the caller.
 
@@ -45,6 +48,7 @@ class CachedSource:
         self._node = ray.get_runtime_context().get_node_id()
         self._owners = layout.owners(len(source), self._node)
         self._handles: dict[int, Any] = {}
+        self._arenas: dict[int, ArenaReader] = {}  # mappings of this node's cache's arena
         self._lost: set[int] = set()
         self.storage_reads = 0
         self.cache_hits = 0
@@ -56,7 +60,7 @@ class CachedSource:
         return self._source.describe(index)
 
     def read(self, index: int) -> Any:
-        """Encoded bytes of sample ``index`` (a read-only uint8 array when it came from a cache)."""
+        """Encoded bytes of sample ``index`` (a read-only view or uint8 array when it came from a cache)."""
         (data,) = self.read_many([index])
         if isinstance(data, SampleError):
             raise data
@@ -76,21 +80,21 @@ class CachedSource:
         for owner, where, ask in asks:
             try:
                 answers = ray.get(ask, timeout=self._timeout)
-                refs = [a for a in answers if isinstance(a, ray.ObjectRef)]
-                values = iter(ray.get(refs, timeout=self._timeout))
+                arena = self._arena(owner) if any(isinstance(a, Region) for a in answers) else None
             except _LOST as e:
                 self._mark_lost(owner, e)
                 continue
-            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as e:
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError, OSError) as e:
                 logger.warning("cache on node %s did not answer in %.0fs (%s); reading this piece's %d samples "
                                "from storage", self._layout.nodes[owner], self._timeout, type(e).__name__, len(where))
                 continue
             for k, answer in zip(where.tolist(), answers):
-                if isinstance(answer, ray.ObjectRef):
-                    out[k] = next(values)
+                if isinstance(answer, Region):
+                    out[k] = arena.view(answer.offset, answer.length)  # type: ignore[union-attr]
                     self.cache_hits += 1
-                elif isinstance(answer, SampleError):
-                    out[k] = answer
+                elif answer is not None:
+                    out[k] = answer  # bytes from another node, or just read, or the SampleError
+                    self.cache_hits += not isinstance(answer, SampleError)
         for k, data in enumerate(out):
             if data is None:
                 out[k] = self._from_storage(indices[k])
@@ -103,6 +107,13 @@ class CachedSource:
             return self._source.read(index)
         except SampleError as e:
             return e
+
+    def _arena(self, owner: int) -> ArenaReader:
+        """This node's cache arena, mapped on first use."""
+        if owner not in self._arenas:
+            path = ray.get(self._handles[owner].arena_path.remote(), timeout=self._timeout)
+            self._arenas[owner] = ArenaReader(path)
+        return self._arenas[owner]
 
     def _handle(self, owner: int) -> Any:
         if owner < 0 or owner in self._lost:
@@ -120,5 +131,6 @@ class CachedSource:
         if owner not in self._lost:
             self._lost.add(owner)
             self._handles.pop(owner, None)
+            self._arenas.pop(owner, None)
             logger.warning("cache on node %s is gone (%s); its part of the dataset is read from storage from now on",
                            self._layout.nodes[owner], type(error).__name__)

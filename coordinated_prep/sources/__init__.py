@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import glob
+import os
 
 from coordinated_prep.contracts import DataSource
 from coordinated_prep.errors import DatasetError
@@ -10,22 +12,47 @@ from coordinated_prep.sources.imagefolder import ImageFolderSource
 from coordinated_prep.sources.shapes import ensure_shapes
 
 BUILTIN_DATASETS = ("builtin:shapes", "builtin:shapes-large")
+#: The Parquet dataset manifest's file name (``coordinated_prep.sources.parquet.MANIFEST``). The
+#: Parquet module is imported only for a Parquet dataset: pyarrow costs a process about 50 MB, and
+#: coordinators, registries and caches open sources too.
+PARQUET_MANIFEST = "coordprep-parquet.json"
 
-__all__ = ["BUILTIN_DATASETS", "ImageFolderSource", "open_source"]
+__all__ = ["BUILTIN_DATASETS", "ImageFolderSource", "ParquetSource", "open_source"]
 
 
 @functools.lru_cache(maxsize=8)
 def open_source(dataset: str) -> DataSource:
     """Open the data source a ``DataSpec.dataset`` names (cached per process).
 
+    ``builtin:<name>`` is a generated ImageFolder; a directory holding ``coordprep-parquet.json``
+    (written by ``coordprep convert``) is a :class:`ParquetSource`; any other directory is read as
+    an ImageFolder.
+
     Raises:
-        DatasetError: Unknown builtin name, missing directory, or an unusable layout.
+        DatasetError: Unknown builtin name, missing directory, an unusable layout, or a Parquet
+            dataset whose manifest or shards are missing or do not match.
     """
     if dataset.startswith("builtin:"):
         if dataset not in BUILTIN_DATASETS:
             raise DatasetError(f"dataset {dataset!r}: unknown builtin dataset; choose one of {list(BUILTIN_DATASETS)}")
         return ImageFolderSource(ensure_shapes(variant=dataset.removeprefix("builtin:")))
-    source = ImageFolderSource(dataset)
+    if os.path.isfile(os.path.join(dataset, PARQUET_MANIFEST)):
+        from coordinated_prep.sources.parquet import ParquetSource
+
+        source: DataSource = ParquetSource(dataset)
+    elif glob.glob(os.path.join(glob.escape(dataset), "*.parquet")):
+        raise DatasetError(f"dataset {dataset!r} holds Parquet files but no {PARQUET_MANIFEST} manifest (an unfinished "
+                           "conversion?); re-run `coordprep convert <imagefolder> <dir> --overwrite`")
+    else:
+        source = ImageFolderSource(dataset)
     if len(source) == 0:
         raise DatasetError(f"dataset {dataset!r} holds no images")
     return source
+
+
+def __getattr__(name: str) -> object:
+    if name == "ParquetSource":  # imported on first use (pyarrow)
+        from coordinated_prep.sources.parquet import ParquetSource
+
+        return ParquetSource
+    raise AttributeError(f"module 'coordinated_prep.sources' has no attribute {name!r}")

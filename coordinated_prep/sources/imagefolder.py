@@ -31,7 +31,8 @@ class ImageFolderSource:
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(os.path.expanduser(root))
         if not os.path.isdir(self.root):
-            raise DatasetError(f"dataset {root!r}: no such directory; give an ImageFolder root or 'builtin:shapes'")
+            raise DatasetError(f"dataset {root!r}: no such directory; give an ImageFolder root, a Parquet dataset "
+                               "directory written by `coordprep convert`, or 'builtin:shapes'")
         classes = sorted(e.name for e in os.scandir(self.root) if e.is_dir())
         if not classes:
             raise DatasetError(

@@ -1,0 +1,82 @@
+"""An append-only byte arena in shared memory: how a node's cache holds encoded samples.
+
+MinIO never evicts, so the cache only ever appends: the writer (the node's cache actor, the owner)
+copies a sample in at the end and then publishes its (offset, length); readers on the node map the
+same file read-only and slice it, zero-copy. A region is published only after it is written and is
+never written again, so readers need no lock. The file lives in ``/dev/shm`` (RAM) where there is
+one, else in the temporary directory; the owner deletes it in :meth:`Arena.close` (also at process
+exit). A reader's mapping stays valid after the file is deleted, until the reader closes it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import tempfile
+
+
+def arena_dir() -> str:
+    """Where arenas are created: ``/dev/shm`` if it exists, else the temporary directory."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class Arena:
+    """The writer's side: a file of ``capacity`` bytes, filled from the start.
+
+    Args:
+        name: File name, unique per cache actor (session and node).
+        capacity: Bytes reserved (the file is sparse: pages are used as they are written).
+    """
+
+    def __init__(self, name: str, capacity: int) -> None:
+        self.path = os.path.join(arena_dir(), name)
+        self.capacity = capacity
+        self.used = 0
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, capacity)
+            self._map = mmap.mmap(fd, capacity)
+        finally:
+            os.close(fd)
+        atexit.register(self.close)
+
+    def append(self, data: memoryview | bytes) -> tuple[int, int]:
+        """Copy ``data`` in after the last sample; returns its (offset, length). The caller checks room."""
+        n = len(data)
+        if self.used + n > self.capacity:
+            raise ValueError(f"arena {self.path}: {n} bytes do not fit ({self.used} of {self.capacity} used)")
+        offset = self.used
+        self._map[offset : offset + n] = data
+        self.used += n
+        return offset, n
+
+    def view(self, offset: int, length: int) -> memoryview:
+        """The bytes of a published region (zero-copy)."""
+        return memoryview(self._map)[offset : offset + length]
+
+    def close(self) -> None:
+        """Delete the file (idempotent); mappings readers hold stay valid until they close them."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class ArenaReader:
+    """A read-only mapping of another process's arena on the same node.
+
+    Args:
+        path: The arena's file.
+    """
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self._map = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+
+    def view(self, offset: int, length: int) -> memoryview:
+        """Bytes ``[offset, offset + length)``: a read-only view into shared memory, no copy."""
+        return memoryview(self._map)[offset : offset + length]
