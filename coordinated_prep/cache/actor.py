@@ -82,7 +82,22 @@ class RawCache:
         """One answer per index of ``dataset``, in order, for a reader on node ``caller``."""
         tally: collections.Counter[str] = collections.Counter()  # this call's events (calls overlap)
         local = caller == self.node
-        answers = await asyncio.gather(*(self._one(dataset, i, local, tally) for i in indices))
+        answers: list[Any] = []
+        misses: list[tuple[int, Any]] = []
+        for k, index in enumerate(indices):  # hits are answered right here; only misses wait
+            key = (dataset, index)
+            if self.policy.lookup(key):
+                tally["hits_local" if local else "hits_remote"] += 1
+                answers.append(self._answer(self.regions[key], local))
+            elif self.policy.full and key not in self.loading:  # the reader goes to storage itself
+                tally["misses"] += 1
+                answers.append(None)
+            else:
+                answers.append(None)
+                misses.append((k, self._miss(dataset, index, local, tally)))
+        if misses:
+            for (k, _), answer in zip(misses, await asyncio.gather(*(m for _, m in misses))):
+                answers[k] = answer
         for stat, value in tally.items():
             self.stats[stat] += value
         metrics.inc("cache_hits", tally["hits_local"], **self.tags, where="local")
@@ -90,7 +105,7 @@ class RawCache:
         metrics.inc("cache_misses", tally["misses"], **self.tags)
         metrics.inc("storage_reads", tally["storage_reads"], **self.tags, reader="cache")
         metrics.set_gauge("cache_bytes", self.policy.used_bytes, **self.tags)
-        return list(answers)
+        return answers
 
     async def report(self) -> dict[str, Any]:
         """Counters, bytes and items held."""
@@ -102,11 +117,8 @@ class RawCache:
         self.arena.close()
         metrics.set_gauge("cache_bytes", 0, **self.tags)
 
-    async def _one(self, dataset: str, index: int, local: bool, tally: collections.Counter[str]) -> Any:
+    async def _miss(self, dataset: str, index: int, local: bool, tally: collections.Counter[str]) -> Any:
         key = (dataset, index)
-        if self.policy.lookup(key):
-            tally["hits_local" if local else "hits_remote"] += 1
-            return self._answer(self.regions[key], local)
         tally["misses"] += 1
         pending = self.loading.get(key)
         if pending is not None:  # another reader asked first: share its one storage read
