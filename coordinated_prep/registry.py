@@ -154,7 +154,8 @@ class GroupRegistry:
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
                 ).remote(self._cache_spec, node, name)
             logger.info("node caches started on %d node(s), %d bytes each (%s)", len(nodes),
-                        self._cache_spec.capacity_bytes, "partitioned" if self._cache_spec.partitioned else "each its own")
+                        self._cache_spec.capacity_bytes,
+                        "partitioned" if self._cache_spec.partitioned else "each its own")
         return self._layout, self._cache_spec
 
 

@@ -49,7 +49,8 @@ def scrape() -> dict[tuple[str, frozenset], float]:
         for s in family.samples:
             if s.name.startswith("ray_coordprep_"):
                 tags = frozenset((k, v) for k, v in s.labels.items() if k in ("group", "trial", "stage", "kind", "node", "where", "reader"))
-                samples[(s.name[len("ray_"):].removesuffix("_total"), tags)] = s.value
+                key = (s.name[len("ray_"):].removesuffix("_total"), tags)
+                samples[key] = samples.get(key, 0.0) + s.value  # one series per recording process
     return samples
 
 
@@ -116,5 +117,7 @@ def test_metrics_are_scraped_during_a_sweep_with_plausible_values(ray_session, s
     assert {value(s, "cache_capacity_bytes", node=node) for s in during} - {None} == {32 * 2**20}
     assert value(final, "storage_reads", node=node, reader="cache") == n
     assert value(final, "cache_misses", node=node) == n
-    assert value(final, "cache_hits", node=node, where="local") == expected - n
+    # Hits on the frozen cache are counted by the prep actors, which the group's close may kill
+    # within their last report interval: checked as a lower part of the truth, as the trials' are.
+    assert 0 < value(final, "cache_hits", node=node, where="local") <= expected - n
     assert 0 < max(value(s, "cache_bytes", node=node) or 0 for s in during) <= 32 * 2**20

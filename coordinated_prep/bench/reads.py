@@ -10,6 +10,7 @@ from storage (``/proc/self/io``), which shows a record format's read amplificati
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import time
 from typing import Any, Sequence
@@ -54,6 +55,67 @@ def read_rows(source: DataSource, files: Sequence[str], fmt: str, ids: Sequence[
                      "storage_mb": None if io0 is None or io1 is None else (io1 - io0) / 1e6,
                      "peak_staging_bytes": 0})
     return rows
+
+
+def node_cache_rows(dataset: str, files: Sequence[str], ids: Sequence[int] | np.ndarray,
+                    seed: int) -> list[dict[str, Any]]:
+    """Read-only rows through a node cache big enough for the split, in a Ray task on this node.
+
+    The first pass follows an eviction of ``files`` and fills the cache (every sample goes through
+    the cache actor, which reads it from storage); the second is served from the cache, as every
+    epoch after the first is. Needs Ray initialised.
+
+    Args:
+        dataset: The dataset's name (``DataSpec.dataset``).
+        files: Its image files: they size the cache and are evicted before the first pass.
+        ids: The sample indices to read (the training split).
+        seed: Seed of the shuffled order (the same order as :func:`read_rows`).
+    """
+    import ray
+
+    from coordinated_prep.cache import CacheLayout, CacheSpec
+    from coordinated_prep.cache.actor import RawCache
+    from coordinated_prep.naming import NAMESPACE
+
+    order = [int(i) for i in np.random.default_rng(seed).permutation(np.asarray(ids))]
+    node = ray.get_runtime_context().get_node_id()
+    layout = CacheLayout(f"bench{os.getpid()}", (node,))
+    spec = CacheSpec(capacity_bytes=int(sum(os.path.getsize(f) for f in files) * 1.1) + 1)
+    name = layout.actor_name(node)
+    cache = RawCache.options(name=name, namespace=NAMESPACE).remote(spec, node, name)
+    try:
+        try:
+            evict(files)
+            first = "cold"
+        except ConfigError as e:
+            logger.warning("bench: the node cache's first pass reads warm files: %s", e)
+            first = "warm"
+        passes = ray.get(ray.remote(num_cpus=1)(_cached_passes).remote(dataset, layout, spec, order), timeout=900)
+    finally:
+        ray.get(cache.clear.remote(), timeout=60)
+        ray.kill(cache)
+    rows = []
+    for cache_state, (seconds, nbytes) in zip((f"{first}, filling", "cached"), passes):
+        rows.append({"step": "read", "loader": "read-only", "format": "files+node cache", "cache": cache_state,
+                     "trials": 1, "samples": len(order), "samples_read": len(order), "window_s": seconds,
+                     "samples_per_s": len(order) / seconds, "mb_per_s": nbytes / seconds / 1e6, "storage_mb": None,
+                     "peak_staging_bytes": 0})
+    return rows
+
+
+def _cached_passes(dataset: str, layout: Any, spec: Any, order: list[int]) -> list[tuple[float, int]]:
+    """Two passes over ``order`` through a :class:`CachedSource`, read a piece (64 samples) at a time."""
+    from coordinated_prep.cache.reader import CachedSource
+    from coordinated_prep.sources import open_source
+
+    reader = CachedSource(open_source(dataset), dataset, layout, spec)
+    out = []
+    for _ in range(2):
+        t0, nbytes = time.perf_counter(), 0
+        for lo in range(0, len(order), 64):
+            nbytes += sum(len(d) for d in reader.read_many(order[lo : lo + 64]))
+        out.append((time.perf_counter() - t0, nbytes))
+    return out
 
 
 def _storage_bytes() -> int | None:

@@ -20,7 +20,7 @@ import statistics
 from typing import Any, Callable
 
 from coordinated_prep.bench.config import INDEPENDENT, BenchConfig
-from coordinated_prep.bench.reads import read_rows
+from coordinated_prep.bench.reads import node_cache_rows, read_rows
 from coordinated_prep.bench.trials import bench_trial
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.plan import holdout_split
@@ -64,6 +64,8 @@ def run_bench(cfg: BenchConfig, progress: Callable[[dict[str, Any]], None] | Non
         ray.init(num_cpus=cfg.cores, object_store_memory=cfg.object_store_mb * 2**20, include_dashboard=False,
                  log_to_driver=False)
     try:
+        for row in node_cache_rows(images.root, images.paths, train_ids, seed=0):
+            emit(row)
         for step in cfg.steps:
             best: dict[int, float | None] = {}  # per N: the best independent loader's rate on the raw files
             for n in cfg.trials if step == "simulated" else cfg.cnn_trials:

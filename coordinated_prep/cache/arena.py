@@ -6,14 +6,22 @@ same file read-only and slice it, zero-copy. A region is published only after it
 never written again, so readers need no lock. The file lives in ``/dev/shm`` (RAM) where there is
 one, else in the temporary directory; the owner deletes it in :meth:`Arena.close` (also at process
 exit). A reader's mapping stays valid after the file is deleted, until the reader closes it.
+A file's name ends with its owner's process id, so an owner that was killed before it could delete
+its file (SIGKILL, a crash) has it deleted by the next arena created on the machine.
 """
 
 from __future__ import annotations
 
 import atexit
+import glob
+import logging
 import mmap
 import os
 import tempfile
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "coordprep-"
 
 
 def arena_dir() -> str:
@@ -25,12 +33,13 @@ class Arena:
     """The writer's side: a file of ``capacity`` bytes, filled from the start.
 
     Args:
-        name: File name, unique per cache actor (session and node).
+        name: File name, unique per cache actor (session and node); the owner's pid is appended.
         capacity: Bytes reserved (the file is sparse: pages are used as they are written).
     """
 
     def __init__(self, name: str, capacity: int) -> None:
-        self.path = os.path.join(arena_dir(), name)
+        remove_stale()
+        self.path = os.path.join(arena_dir(), f"{name}.{os.getpid()}")
         self.capacity = capacity
         self.used = 0
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -61,6 +70,23 @@ class Arena:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def remove_stale() -> list[str]:
+    """Delete the arena files on this machine whose owner process is gone; returns their paths."""
+    removed = []
+    for path in glob.glob(os.path.join(arena_dir(), PREFIX + "*")):
+        pid = path.rsplit(".", 1)[-1]
+        if not pid.isdigit() or os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc"):
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            continue
+    if removed:
+        logger.warning("removed %d arena file(s) left by killed cache actors, e.g. %s", len(removed), removed[0])
+    return removed
 
 
 class ArenaReader:

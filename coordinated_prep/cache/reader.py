@@ -28,9 +28,11 @@ class CachedSource:
 
     Each read of a piece asks every owner cache once for its samples (one call per node, all in
     flight together). Samples the own node's cache holds are read from its arena through a
-    read-only mapping, zero-copy; another node's cache sends them in its reply. A cache that is gone (its node left the cluster) is marked lost and its
-    samples are read from storage from then on; one that does not answer within the timeout is
-    passed over for this piece only. Counts ``storage_reads`` and ``cache_hits`` for the caller.
+    read-only mapping, zero-copy; another node's cache sends them in its reply. Once the own node's
+    cached set is frozen, a snapshot of it answers those samples without any call. A cache that is
+    gone (its node left the cluster) is marked lost and its samples are read from storage from then
+    on; one that does not answer within the timeout is passed over for this piece only. Counts
+    ``storage_reads`` and ``cache_hits`` (samples a cache delivered) for the caller.
 
     Args:
         source: The storage the samples come from on a miss.
@@ -49,6 +51,8 @@ class CachedSource:
         self._owners = layout.owners(len(source), self._node)
         self._handles: dict[int, Any] = {}
         self._arenas: dict[int, ArenaReader] = {}  # mappings of this node's cache's arena
+        self._local = layout.nodes.index(self._node) if self._node in layout.nodes else -1
+        self._snapshot: tuple[np.ndarray, np.ndarray] | None = None  # this node's frozen cached set
         self._lost: set[int] = set()
         self.storage_reads = 0
         self.cache_hits = 0
@@ -69,7 +73,21 @@ class CachedSource:
     def read_many(self, indices: Sequence[int]) -> list[Any]:
         """Encoded bytes (or the SampleError) of each of ``indices``, in order."""
         out: list[Any] = [None] * len(indices)
-        owners = self._owners[np.asarray(indices, dtype=np.int64)] if len(indices) else np.empty(0, np.int64)
+        ids = np.asarray(indices, dtype=np.int64)
+        owners = self._owners[ids] if len(ids) else np.empty(0, np.int64)
+        if self._snapshot is not None:  # this node's cache is frozen: its hits need no call
+            offsets, lengths = self._snapshot
+            arena = self._arena(self._local)
+            mine = np.flatnonzero(owners == self._local)
+            hits = 0
+            for k in mine.tolist():
+                if lengths[ids[k]]:
+                    out[k] = arena.view(int(offsets[ids[k]]), int(lengths[ids[k]]))
+                    hits += 1
+            owners = owners.copy()
+            owners[mine] = -1  # the rest of its part is not cached and never will be: storage
+            self.cache_hits += hits
+            metrics.inc("cache_hits", hits, node=self._node[:16], where="local")
         asks = []
         for owner in np.unique(owners).tolist():
             handle = self._handle(owner)
@@ -79,8 +97,10 @@ class CachedSource:
             asks.append((owner, where, handle.lookup.remote(self._dataset, [indices[k] for k in where], self._node)))
         for owner, where, ask in asks:
             try:
-                answers = ray.get(ask, timeout=self._timeout)
+                answers, frozen = ray.get(ask, timeout=self._timeout)
                 arena = self._arena(owner) if any(isinstance(a, Region) for a in answers) else None
+                if frozen and owner == self._local and self._snapshot is None:
+                    self._snapshot = ray.get(self._handles[owner].snapshot.remote(self._dataset), timeout=self._timeout)
             except _LOST as e:
                 self._mark_lost(owner, e)
                 continue
@@ -132,5 +152,7 @@ class CachedSource:
             self._lost.add(owner)
             self._handles.pop(owner, None)
             self._arenas.pop(owner, None)
+            if owner == self._local:
+                self._snapshot = None
             logger.warning("cache on node %s is gone (%s); its part of the dataset is read from storage from now on",
                            self._layout.nodes[owner], type(error).__name__)

@@ -36,13 +36,13 @@ def parse_bytes(value: Any, name: str) -> int:
 class CacheSpec:
     """A raw-data cache on every node, shared by every data group of the sweep on that node.
 
-    It holds encoded samples (a JPEG stays a JPEG) in the node's object store with CoorDL's MinIO
+    It holds encoded samples (a JPEG stays a JPEG) in shared memory on the node with CoorDL's MinIO
     policy: the first samples read are kept until ``capacity_bytes`` is full and are never evicted,
     so from the second epoch on the hit rate equals the cached fraction, whatever the order.
 
     Args:
-        capacity_bytes: Bytes cached per node (an integer, or a string such as ``"512MiB"``). Keep
-            it well under the node's object store: cached samples are pinned there.
+        capacity_bytes: Bytes cached per node (an integer, or a string such as ``"512MiB"``), taken
+            from the node's memory (``/dev/shm``) beside Ray's object store as they are filled.
         partitioned: With several nodes, each caches a disjoint part of the dataset (derived from
             ``seed``) and a miss on one node is read from the node caching it, through Ray, not
             from storage. ``False``: every node caches what its own prep actors read first.

@@ -62,21 +62,20 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     caches = summary.get("caches") or {}
     if caches:
         lines.append("")
-        prep_reads = sum(g.get("storage_reads", 0) for g in summary["groups"].values())
         lines.append(format_table(
-            ["cache node", "hits local", "hits remote", "misses", "hit rate", "storage reads", "MiB held", "items"],
-            [[node[:12], c.get("hits_local", "-"), c.get("hits_remote", "-"), c.get("misses", "-"),
-              _num(_rate(c), "{:.2f}"), c.get("storage_reads", "-"), _num(c.get("used_bytes", 0) / 2**20, "{:.1f}"),
-              "lost" if c.get("lost") else c.get("items", "-")] for node, c in caches.items()],
+            ["cache node", "items held", "MiB held", "full", "storage reads", "served to other nodes"],
+            [[node[:12], "lost" if c.get("lost") else c.get("items", "-"),
+              _num(c.get("used_bytes", 0) / 2**20, "{:.1f}"), c.get("full", "-"), c.get("storage_reads", "-"),
+              c.get("hits_remote", "-")] for node, c in caches.items()],
         ))
-        lines.append(f"Storage reads by prep actors past the caches: {prep_reads}")
+        hits = sum(g.get("cache_hits", 0) for g in summary["groups"].values())
+        past = sum(g.get("storage_reads", 0) for g in summary["groups"].values())
+        cache_reads = sum(c.get("storage_reads", 0) for c in caches.values())
+        # A sample a cache delivered after reading it from storage for the asker is not a hit.
+        rate = (hits - cache_reads) / (hits + past) if hits + past else None
+        lines.append(f"Samples delivered by the caches: {hits}; storage reads: {cache_reads} by the caches, {past} "
+                     f"by prep actors past them; hit rate {_num(rate, '{:.2f}')}")
     return "\n".join(lines)
-
-
-def _rate(cache: Mapping[str, Any]) -> float | None:
-    hits = cache.get("hits_local", 0) + cache.get("hits_remote", 0)
-    total = hits + cache.get("misses", 0)
-    return hits / total if total else None
 
 
 def _num(value: Any, fmt: str = "{:.4f}") -> str:
