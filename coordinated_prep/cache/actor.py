@@ -146,6 +146,10 @@ class RawCache:
     async def _miss(self, dataset: str, index: int, local: bool, tally: collections.Counter[str]) -> Any:
         key = (dataset, index)
         tally["misses"] += 1
+        region = self.regions.get(key)
+        if region is not None:  # another call loaded it between this call's look and now
+            tally["coalesced"] += 1
+            return self._answer(region, local)
         pending = self.loading.get(key)
         if pending is not None:  # another reader asked first: share its one storage read
             tally["coalesced"] += 1
