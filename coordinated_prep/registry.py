@@ -8,6 +8,7 @@ GroupRegistry -> RawCache per node (when the sweep has a cache) -> cached sample
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -107,7 +108,7 @@ class GroupRegistry:
 
     async def reports(self) -> dict[str, dict[str, Any]]:
         """Per group: counters summed over its coordinators so far, live ones included."""
-        out = {k: dict(v) for k, v in self._finished.items()}
+        out = copy.deepcopy(self._finished)  # live coordinators are merged into a copy, not the totals
         for key, group in list(self._groups.items()):
             try:
                 _merge(out, group.spec.group_key, await asyncio.wait_for(group.actor.report.remote(), _CALL_TIMEOUT_S),

@@ -46,7 +46,7 @@ class CoordinatedSearcher(SearchAlgorithm):
             cache = CacheSpec.from_mapping(cache)
         elif cache is not None and not isinstance(cache, CacheSpec):
             raise ConfigError(f"CoordinatedSearcher: cache={cache!r} must be a CacheSpec, a mapping or None, "
-                              f"e.g. cache=CacheSpec(capacity_bytes={cache!r})")
+                              "e.g. cache=CacheSpec(capacity_bytes='4GiB')")
         self._cache = cache
         if searcher is None:
             inner: SearchAlgorithm = BasicVariantGenerator(max_concurrent=max_concurrent)

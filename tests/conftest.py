@@ -69,7 +69,7 @@ def pytest_unconfigure(config):
     DALI issue 6166; Ray's core worker) run there in no defined order. Nothing of ours is left to
     clean up by then (each module shut its Ray instance down), so the status is returned at once.
     """
-    if _EXIT_STATUS:
+    if _EXIT_STATUS and not hasattr(config, "workerinput"):  # not in a pytest-xdist worker
         import sys
 
         sys.stdout.flush()

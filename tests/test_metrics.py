@@ -116,8 +116,8 @@ def test_metrics_are_scraped_during_a_sweep_with_plausible_values(ray_session, s
     n = len(train_ids(spec))
     assert {value(s, "cache_capacity_bytes", node=node) for s in during} - {None} == {32 * 2**20}
     assert value(final, "storage_reads", node=node, reader="cache") == n
-    assert value(final, "cache_misses", node=node) == n
-    # Hits on the frozen cache are counted by the prep actors, which the group's close may kill
+    assert value(final, "cache_misses", node=node) >= n  # a request sharing an in-flight load is a miss too
+    # Hits served from a snapshot are counted by the prep actors, which the group's close may kill
     # within their last report interval: checked as a lower part of the truth, as the trials' are.
     assert 0 < value(final, "cache_hits", node=node, where="local") <= expected - n
     assert 0 < max(value(s, "cache_bytes", node=node) or 0 for s in during) <= 32 * 2**20

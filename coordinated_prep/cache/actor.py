@@ -17,14 +17,13 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
-import os
 from typing import Any, NamedTuple
 
 import numpy as np
 import ray
 
 from coordinated_prep import metrics
-from coordinated_prep.cache.arena import Arena, arena_dir
+from coordinated_prep.cache.arena import Arena
 from coordinated_prep.cache.policy import MinioPolicy
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import SampleError
@@ -44,7 +43,18 @@ class Reply(NamedTuple):
     """What ``lookup`` returns."""
 
     answers: list[Any]  # per index: Region, encoded bytes (uint8 array), SampleError, or None
-    frozen: bool  # the cached set of this dataset will not change again: a snapshot is final
+    frozen: bool  # admission is closed: the cached set will not change again, a snapshot is final
+    version: int  # samples cached so far (it only grows): a snapshot older than this lacks some
+    hits: int  # answers that were already cached before this call (a snapshot may have saved the call)
+
+
+class Snapshot(NamedTuple):
+    """A dataset's cached set at ``version``: (offset, length) per sample, length 0 where not cached."""
+
+    offsets: np.ndarray
+    lengths: np.ndarray
+    version: int
+    frozen: bool
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
@@ -54,10 +64,11 @@ class RawCache:
     ``lookup`` answers, per sample: a :class:`Region` (cached; the reader is on this node), the
     encoded bytes (cached or just read, for a reader elsewhere), a :class:`SampleError` (the file is
     broken), or None (not cached and the cache is full: the reader reads storage itself, and no
-    bytes pass through this actor). Once a dataset's cached set is frozen (admission closed, or
-    every sample cached), readers on the node take a :meth:`snapshot` of it and serve their hits
-    from the arena without calling this actor at all: an actor call costs milliseconds, a lookup
-    in a local array microseconds.
+    bytes pass through this actor). Readers on the node take a :meth:`snapshot` of the cached set
+    when a reply shows it has hits their snapshot lacks, and serve those samples from the arena
+    without calling this actor at all: an actor call costs milliseconds, a lookup in a local array
+    microseconds. The cached set only grows, so a snapshot is never wrong, at most incomplete; once
+    admission closes it is final, and readers send the samples it lacks straight to storage.
 
     Args:
         spec: Capacity and reading options.
@@ -70,11 +81,7 @@ class RawCache:
         self.node = node
         self.name = name
         capacity = int(spec.capacity_bytes)
-        free = _free_bytes(arena_dir())
-        if free is not None and capacity > free:
-            logger.warning("cache %s: capacity %d bytes is more than the %d bytes free in %s; samples past that "
-                           "would fail to be cached: lower cache.capacity_bytes", name, capacity, free, arena_dir())
-        self.arena = Arena(name, capacity)
+        self.arena = Arena(name, capacity)  # reserves the capacity now, or fails here with the fix
         self.policy = MinioPolicy(capacity)
         self.regions: dict[tuple[str, int], tuple[int, int]] = {}
         self.cached: collections.Counter[str] = collections.Counter()  # samples cached per dataset
@@ -116,22 +123,16 @@ class RawCache:
         metrics.inc("cache_misses", tally["misses"], **self.tags)
         metrics.inc("storage_reads", tally["storage_reads"], **self.tags, reader="cache")
         metrics.set_gauge("cache_bytes", self.policy.used_bytes, **self.tags)
-        return Reply(answers, self._frozen(dataset))
+        return Reply(answers, self.policy.full, self.cached[dataset], tally["hits_local"] + tally["hits_remote"])
 
-    async def snapshot(self, dataset: str) -> tuple[np.ndarray, np.ndarray] | None:
-        """(offsets, lengths) of every sample of ``dataset`` in the arena (length 0: not cached), or
-        None while the cached set may still grow."""
-        if not self._frozen(dataset):
-            return None
+    async def snapshot(self, dataset: str) -> Snapshot:
+        """Where every cached sample of ``dataset`` lies in the arena, now."""
         n = len(open_source(dataset))
         offsets, lengths = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
         for (name, index), (offset, length) in self.regions.items():
             if name == dataset:
                 offsets[index], lengths[index] = offset, length
-        return offsets, lengths
-
-    def _frozen(self, dataset: str) -> bool:
-        return self.policy.full or self.cached[dataset] == len(open_source(dataset))
+        return Snapshot(offsets, lengths, self.cached[dataset], self.policy.full)
 
     async def report(self) -> dict[str, Any]:
         """Counters, bytes and items held."""
@@ -199,11 +200,3 @@ def _read(dataset: str, index: int) -> bytes | SampleError:
         return open_source(dataset).read(index)
     except SampleError as e:
         return e
-
-
-def _free_bytes(path: str) -> int | None:
-    try:
-        st = os.statvfs(path)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize

@@ -19,6 +19,8 @@ import mmap
 import os
 import tempfile
 
+from coordinated_prep.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 PREFIX = "coordprep-"
@@ -34,20 +36,30 @@ class Arena:
 
     Args:
         name: File name, unique per cache actor (session and node); the owner's pid is appended.
-        capacity: Bytes reserved (the file is sparse: pages are used as they are written).
+        capacity: Bytes reserved, all at once (in the temporary directory if ``/dev/shm`` lacks room).
     """
 
     def __init__(self, name: str, capacity: int) -> None:
         remove_stale()
-        self.path = os.path.join(arena_dir(), f"{name}.{os.getpid()}")
         self.capacity = capacity
         self.used = 0
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.ftruncate(fd, capacity)
-            self._map = mmap.mmap(fd, capacity)
-        finally:
-            os.close(fd)
+        for directory in dict.fromkeys((arena_dir(), tempfile.gettempdir())):
+            self.path = os.path.join(directory, f"{name}.{os.getpid()}")
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                # Reserve every page now: a sparse file on a full tmpfs would kill this process with
+                # SIGBUS at the first write past the space left, instead of failing here, cleanly.
+                os.posix_fallocate(fd, 0, capacity)
+                self._map = mmap.mmap(fd, capacity)
+                break
+            except OSError as e:
+                os.unlink(self.path)
+                logger.warning("arena %s: cannot reserve %d bytes in %s (%s)", name, capacity, directory, e)
+            finally:
+                os.close(fd)
+        else:
+            raise ConfigError(f"cache: cannot reserve cache.capacity_bytes={capacity} bytes in {arena_dir()} or "
+                              f"{tempfile.gettempdir()}; lower cache.capacity_bytes or free memory there")
         atexit.register(self.close)
 
     def append(self, data: memoryview | bytes) -> tuple[int, int]:

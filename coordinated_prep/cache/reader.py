@@ -9,7 +9,7 @@ import numpy as np
 import ray
 
 from coordinated_prep import metrics
-from coordinated_prep.cache.actor import Region
+from coordinated_prep.cache.actor import Region, Snapshot
 from coordinated_prep.cache.arena import ArenaReader
 from coordinated_prep.cache.layout import CacheLayout
 from coordinated_prep.cache.spec import CacheSpec
@@ -19,8 +19,7 @@ from coordinated_prep.naming import NAMESPACE
 
 logger = logging.getLogger(__name__)
 
-_LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError,
-         ray.exceptions.ActorUnavailableError)
+_LOST = (ray.exceptions.ActorDiedError, ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError)
 
 
 class CachedSource:
@@ -52,7 +51,7 @@ class CachedSource:
         self._handles: dict[int, Any] = {}
         self._arenas: dict[int, ArenaReader] = {}  # mappings of this node's cache's arena
         self._local = layout.nodes.index(self._node) if self._node in layout.nodes else -1
-        self._snapshot: tuple[np.ndarray, np.ndarray] | None = None  # this node's frozen cached set
+        self._snapshot: Snapshot | None = None  # this node's cached set, as last seen
         self._lost: set[int] = set()
         self.storage_reads = 0
         self.cache_hits = 0
@@ -75,17 +74,20 @@ class CachedSource:
         out: list[Any] = [None] * len(indices)
         ids = np.asarray(indices, dtype=np.int64)
         owners = self._owners[ids] if len(ids) else np.empty(0, np.int64)
-        if self._snapshot is not None:  # this node's cache is frozen: its hits need no call
-            offsets, lengths = self._snapshot
+        if self._snapshot is not None:  # this node's cached samples need no call
+            snap = self._snapshot
             arena = self._arena(self._local)
             mine = np.flatnonzero(owners == self._local)
-            hits = 0
+            served = []
             for k in mine.tolist():
-                if lengths[ids[k]]:
-                    out[k] = arena.view(int(offsets[ids[k]]), int(lengths[ids[k]]))
-                    hits += 1
+                if snap.lengths[ids[k]]:
+                    out[k] = arena.view(int(snap.offsets[ids[k]]), int(snap.lengths[ids[k]]))
+                    served.append(k)
+            hits = len(served)
             owners = owners.copy()
-            owners[mine] = -1  # the rest of its part is not cached and never will be: storage
+            # Final snapshot: the rest of this node's part will never be cached, so it goes to
+            # storage; otherwise the cache is asked for it (it may load it, or have it by now).
+            owners[mine if snap.frozen else np.asarray(served, dtype=np.int64)] = -1
             self.cache_hits += hits
             metrics.inc("cache_hits", hits, node=self._node[:16], where="local")
         asks = []
@@ -97,24 +99,29 @@ class CachedSource:
             asks.append((owner, where, handle.lookup.remote(self._dataset, [indices[k] for k in where], self._node)))
         for owner, where, ask in asks:
             try:
-                answers, frozen = ray.get(ask, timeout=self._timeout)
-                arena = self._arena(owner) if any(isinstance(a, Region) for a in answers) else None
-                if frozen and owner == self._local and self._snapshot is None:
-                    self._snapshot = ray.get(self._handles[owner].snapshot.remote(self._dataset), timeout=self._timeout)
+                reply = ray.get(ask, timeout=self._timeout)
+                arena = self._arena(owner) if any(isinstance(a, Region) for a in reply.answers) else None
             except _LOST as e:
                 self._mark_lost(owner, e)
                 continue
-            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError, OSError) as e:
-                logger.warning("cache on node %s did not answer in %.0fs (%s); reading this piece's %d samples "
-                               "from storage", self._layout.nodes[owner], self._timeout, type(e).__name__, len(where))
+            except ray.exceptions.GetTimeoutError:
+                logger.warning("cache on node %s did not answer in %.0fs; reading this piece's %d samples from "
+                               "storage", self._layout.nodes[owner], self._timeout, len(where))
                 continue
-            for k, answer in zip(where.tolist(), answers):
+            except (ray.exceptions.RayError, OSError) as e:  # unavailable for now, or failed: not lost
+                logger.warning("cache on node %s failed to answer (%s); reading this piece's %d samples from "
+                               "storage", self._layout.nodes[owner], e, len(where))
+                continue
+            for k, answer in zip(where.tolist(), reply.answers):
                 if isinstance(answer, Region):
                     out[k] = arena.view(answer.offset, answer.length)  # type: ignore[union-attr]
                     self.cache_hits += 1
                 elif answer is not None:
                     out[k] = answer  # bytes from another node, or just read, or the SampleError
                     self.cache_hits += not isinstance(answer, SampleError)
+            if owner == self._local and reply.hits and (self._snapshot is None
+                                                        or reply.version > self._snapshot.version):
+                self._refresh_snapshot(owner)
         for k, data in enumerate(out):
             if data is None:
                 out[k] = self._from_storage(indices[k])
@@ -127,6 +134,13 @@ class CachedSource:
             return self._source.read(index)
         except SampleError as e:
             return e
+
+    def _refresh_snapshot(self, owner: int) -> None:
+        """Take a new snapshot of this node's cached set (the cache had hits the old one lacked)."""
+        try:
+            self._snapshot = ray.get(self._handles[owner].snapshot.remote(self._dataset), timeout=self._timeout)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+            logger.warning("no snapshot of the cache on node %s (%s); asking it per piece", self._layout.nodes[owner], e)
 
     def _arena(self, owner: int) -> ArenaReader:
         """This node's cache arena, mapped on first use."""

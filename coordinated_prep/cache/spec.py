@@ -41,8 +41,9 @@ class CacheSpec:
     so from the second epoch on the hit rate equals the cached fraction, whatever the order.
 
     Args:
-        capacity_bytes: Bytes cached per node (an integer, or a string such as ``"512MiB"``), taken
-            from the node's memory (``/dev/shm``) beside Ray's object store as they are filled.
+        capacity_bytes: Bytes cached per node (an integer, or a string such as ``"512MiB"``),
+            reserved in the node's memory (``/dev/shm``, beside Ray's object store) when the
+            cache starts.
         partitioned: With several nodes, each caches a disjoint part of the dataset (derived from
             ``seed``) and a miss on one node is read from the node caching it, through Ray, not
             from storage. ``False``: every node caches what its own prep actors read first.
