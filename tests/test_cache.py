@@ -31,7 +31,8 @@ def test_minio_hit_rate_is_the_cached_fraction_while_lru_of_the_same_size_falls_
     sizes = np.array([os.path.getsize(source.describe(i)) for i in range(n)])
     capacity = int(sizes.sum() * 0.5)
     node = ray.get_runtime_context().get_node_id()
-    cache = RawCache.remote(CacheSpec(capacity), node, "coordprep-test-cache")  # prefixed: a run that dies leaves a file the next cache removes
+    # The prefix lets the next cache remove the arena file if this test dies before clear().
+    cache = RawCache.remote(CacheSpec(capacity), node, "coordprep-test-cache")
     plan = StreamPlan(np.arange(n), seed=0, chunk_size=16, segments=4)
     lru = LruPolicy(capacity)
     arena = ArenaReader(ray.get(cache.arena_path.remote()))  # what a prep actor on the node maps
