@@ -152,11 +152,6 @@ class ParquetSource:
         self._reset_handles()
 
 
-def is_parquet_dataset(root: str) -> bool:
-    """Whether ``root`` is a directory holding the Parquet dataset manifest."""
-    return os.path.isfile(os.path.join(root, MANIFEST))
-
-
 def read_manifest(root: str) -> dict[str, Any]:
     """The manifest of the Parquet dataset ``root``, checked for format, version and fields.
 
