@@ -1,10 +1,28 @@
 """The coordinator actor: one per node and data group, it stages prepared pieces for every trial.
 
 A thin asyncio shell around :class:`~coordinated_prep.staging.StagingBuffer` (who needs what) and
-:class:`~coordinated_prep.plan.StreamPlan` (which samples each piece holds). Ownership: the
-coordinator is the owner of every prepared piece (it submits the prep tasks, so Ray makes it the
-owner of their results) and of its prep actors (they die with it); the CoordinatedSearcher owns
-the coordinator and kills it when the group's last trial ends.
+:class:`~coordinated_prep.plan.StreamPlan` (which samples each piece holds).
+
+Ownership: the group registry owns the coordinator (it creates it when the group's first trial on
+the node joins and kills it when the last one ends) and the node's prep pool; the coordinator
+submits its pieces to the pool's actors, so Ray makes it the owner of every prepared piece.
+
+Life cycle of a prepared piece ``g``:
+
+1. *Reserved*: the producer takes the head piece when a consumer needs it, it lies within the
+   lookahead and the group's share of the node's staging budget has room; its consumers are fixed
+   (every registered trial whose range holds ``g``; later joiners are added).
+2. *Preparing*: a task on one of the node's prep actors reads, decodes and augments its samples
+   and returns them to the object store (two objects: timing, and the piece itself).
+3. *Staged*: when the task's timing lands, the slot holds the piece's reference (or its error).
+4. *Fetched*: each consumer's ``fetch`` hands it the nested reference (a borrow); the trial maps
+   the arrays zero-copy and copies only batches that straddle pieces.
+5. *Freed*: when the last consumer fetched it, left, passed over it, or was detached by the lease,
+   the coordinator drops its reference; Ray frees the memory once the trials drop theirs too.
+
+A consumer leaves when its loader closes, when Tune reports its trial complete (the registry),
+within seconds when its trial's process ends (a paused, stopped or dead trial: the coordinator
+watches each consumer's Tune actor), or when the lease detaches it.
 """
 
 from __future__ import annotations
@@ -15,14 +33,10 @@ import time
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from coordinated_prep import metrics
-from coordinated_prep.cache.layout import CacheLayout
-from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import PrepError
 from coordinated_prep.plan import StreamPlan, holdout_split
-from coordinated_prep.prep_actor import PrepActor
 from coordinated_prep.sources import open_source
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.staging import SlotState, StagingBuffer
@@ -30,73 +44,73 @@ from coordinated_prep.staging import SlotState, StagingBuffer
 logger = logging.getLogger(__name__)
 
 _PRODUCER_CHECK_S = 10.0  # the producer re-checks its state at least this often (liveness)
-_PREP_TASK_RETRIES = 3
-
-
-def node_resources() -> tuple[str, float, float]:
-    """(node id, CPUs, object store bytes) of the node this process runs on."""
-    node_id = ray.get_runtime_context().get_node_id()
-    for node in ray.nodes():
-        if node["NodeID"] == node_id:
-            res = node["Resources"]
-            return node_id, res.get("CPU", 1.0), res.get("object_store_memory", 2**30)
-    return node_id, 1.0, float(2**30)
+_WATCH_S = 1.0  # a consumer's process is looked at again this long after it last answered
 
 
 @ray.remote(num_cpus=0, max_concurrency=10_000)
 class Coordinator:
-    """Plans the stream of one data group, drives its prep actors and serves trials.
+    """Plans the stream of one data group on one node, feeds the node's prep pool and serves trials.
 
     Args:
         spec: The group's data spec.
         name: The actor's own name, used in error messages.
-        cache: The sweep's node caches (layout and options), handed to the prep actors; None: none.
+        actors: The node's prep actors (the registry's), shared with the node's other groups.
+        budget_bytes: The group's share of the node's staging budget (the registry may change it).
     """
 
-    def __init__(self, spec: DataSpec, name: str, cache: tuple[CacheLayout, CacheSpec] | None = None) -> None:
+    def __init__(self, spec: DataSpec, name: str, actors: list[Any], budget_bytes: int) -> None:
         self.spec = spec
         self.name = name
         source = open_source(spec.dataset)
         train_ids, _ = holdout_split(len(source), spec.holdout)
         self.plan = StreamPlan(train_ids, spec.seed, spec.chunk_size, spec.segments)
-        node_id, cpus, store_bytes = node_resources()
-        budget = spec.staging_bytes or max(spec.chunk_bytes, int(store_bytes * spec.staging_fraction))
-        n_actors = spec.prep_actors or max(1, int(cpus))
+        node_id = ray.get_runtime_context().get_node_id()
+        n_actors = len(actors)
         lookahead = spec.lookahead or max(8, 4 * n_actors)
-        self.buffer = StagingBuffer(budget, self.plan.next_join_point, lookahead)
-        affinity = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
-        self.actors = [
-            PrepActor.options(
-                max_restarts=-1, max_task_retries=_PREP_TASK_RETRIES, scheduling_strategy=affinity
-            ).remote(spec, cache)
-            for _ in range(n_actors)
-        ]
+        self.buffer = StagingBuffer(budget_bytes, self.plan.next_join_point, lookahead)
+        self.actors = actors
         self.max_in_flight = 2 * n_actors  # keep every actor busy while one result travels back
+        self.watchers: dict[str, asyncio.Task] = {}  # consumer -> the task watching its trial's process
+        self.actor_ids: dict[str, str] = {}  # consumer -> its trial's Tune actor id
         self.in_flight = 0
         self.changed = asyncio.Condition()
         self.closed = False
         self.fatal: BaseException | None = None  # an unexpected producer failure, re-raised to every trial
-        self.blocked_since: float | None = None  # when the byte budget started to block production
+        self.blocked_since: float | None = None  # since when the lease has been running (see lease_holders)
         self.evicted: dict[str, int] = {}  # trial -> token of the incarnation the lease detached
         self.skipped: set[int] = set()  # samples left out under on_error="skip" (bounded by the dataset)
         self.producer: asyncio.Task | None = None
         self.settling: set[asyncio.Task] = set()  # strong references: asyncio keeps only weak ones
         self.stats: dict[str, Any] = {
-            "group": spec.group_key, "coordinator": name, "prep_actors": n_actors, "budget_bytes": budget,
+            "group": spec.group_key, "coordinator": name, "prep_actors": n_actors, "budget_bytes": budget_bytes,
             "lookahead": lookahead,
             "samples_per_epoch": self.plan.samples_per_epoch, "chunks_per_epoch": self.plan.chunks_per_epoch,
             "pieces_prepared": 0, "samples_prepared": 0, "samples_served": 0, "pieces_failed": 0,
             "fetch_s": 0.0, "transform_s": 0.0, "put_s": 0.0, "prep_cpu_s": 0.0, "trials_joined": 0, "evictions": 0,
             "samples_skipped": 0, "storage_reads": 0, "cache_hits": 0, "node": node_id,
+            "released_dead": 0, "stall_s": 0.0, "pieces_passed": 0,
         }
         self.group = spec.group_key
-        metrics.set_gauge("staging_budget_bytes", budget, group=self.group)
+        metrics.set_gauge("staging_budget_bytes", budget_bytes, group=self.group)
 
     # -- trial-facing API -------------------------------------------------------------------
-    async def join(self, trial: str, epochs: int | None = None) -> dict[str, Any]:
-        """Register ``trial`` as a consumer reading ``epochs`` epochs (None: until it leaves).
+    async def join(self, trial: str, epochs: int | None = None, process: Any = None,
+                   process_id: str | None = None) -> dict[str, Any]:
+        """Register consumer ``trial`` (a trial id, ``#k`` appended for its k-th loader) reading
+        ``epochs`` epochs (None: until it leaves).
 
-        Returns where its first epoch starts, the epoch size, and the trial's incarnation token.
+        Args:
+            trial: The consumer's id.
+            epochs: Epochs it will read, or None.
+            process: The handle of the Tune actor the trial runs in, or None: the coordinator
+                watches it and releases the consumer within seconds of the process ending (Tune
+                pauses, stops and kills trials without telling a search algorithm). A trial id
+                joining from a process that another trial id's consumers came from means Tune
+                reused the actor: those consumers are released at once.
+            process_id: That actor's id.
+
+        Returns:
+            Where its first epoch starts, the epoch size, and its incarnation token.
         """
         if self.closed or self.fatal is not None:
             raise PrepError(f"trial {trial}: coordinator {self.name} is shut down or failed ({self.fatal!r})")
@@ -105,6 +119,8 @@ class Coordinator:
         token, start = self.buffer.join(trial, None if epochs is None else epochs * self.plan.chunks_per_epoch)
         self.evicted.pop(trial, None)
         self.stats["trials_joined"] += 1
+        if process is not None and process_id is not None:
+            self._watch(trial, token, process, process_id)
         logger.info("trial %s joined group %s at piece %d", trial, self.spec.group_key, start)
         await self._notify()
         return {"token": token, "start": start, "chunks_per_epoch": self.plan.chunks_per_epoch,
@@ -123,10 +139,12 @@ class Coordinator:
             return {"status": "evicted"}
         if self.closed or not self.buffer.is_current(trial, token):
             return {"status": "gone"}
+        if self.buffer.passed(trial, g):
+            return {"status": "passed"}  # a prefetch of a piece the trial has since passed over
         if not self.buffer.needs(trial, g):
             raise PrepError(f"trial {trial}: piece {g} is not one it may fetch from {self.name} "
                             "(before its start, or fetched already)")
-        self.buffer.request(g)
+        self.buffer.request(trial, g)
         await self._notify()
         try:
             async with self.changed:
@@ -134,16 +152,22 @@ class Coordinator:
         except asyncio.TimeoutError:
             raise PrepError(
                 f"trial {trial}: piece {g} was not prepared within {timeout_s}s by {self.name} "
-                f"(head {self.buffer.head}, staged {self.buffer.staged_bytes} of {self.buffer.budget_bytes} bytes); "
-                "is the data group overloaded? raise data.fetch_timeout_s or data.prep_actors, or lower data.lease_s"
+                f"(head {self.buffer.head}, staged {self.buffer.staged_bytes} of {self.buffer.budget_bytes} bytes, "
+                f"{self.in_flight} pieces in flight on {len(self.actors)} prep actors shared by the node's groups); "
+                "the node's prep pool is too slow for this data: raise data.fetch_timeout_s or pool.actors"
             ) from None
+        finally:
+            if self.buffer.is_current(trial, token):
+                self.buffer.end_wait(trial, g)
         if self.fatal is not None:
             raise PrepError(f"trial {trial}: coordinator {self.name} failed: {self.fatal!r}")
         slot = self.buffer.slots.get(g)
         if self.evicted.get(trial) == token:
             return {"status": "evicted"}
-        if self.closed or not self.buffer.is_current(trial, token) or slot is None:
+        if self.closed or not self.buffer.is_current(trial, token):
             return {"status": "gone"}
+        if slot is None or trial not in slot.waiting:
+            return {"status": "passed"}  # it passed over the piece while this request waited
         if slot.state is SlotState.FAILED:
             self.buffer.fetched(trial, g, 0)
             await self._notify()  # a release may let the producer go on
@@ -164,14 +188,34 @@ class Coordinator:
             logger.info("trial %s left group %s; freed %d pieces", trial, self.spec.group_key, len(released))
         await self._notify()
 
+    async def leave_trial(self, trial: str) -> None:
+        """Unregister every consumer of Tune trial ``trial`` (each of its loaders)."""
+        for consumer in [c for c in self.buffer.consumers if _trial_of(c) == trial]:
+            await self.leave(consumer)
+
+    async def skip_to(self, trial: str, token: int, g: int) -> None:
+        """``trial`` (incarnation ``token``) passes over its pieces below ``g``: one call, no waiting."""
+        released = self.buffer.skip_to(trial, token, g)
+        self.stats["pieces_passed"] += len(released)
+        await self._notify()
+
+    async def set_budget(self, budget_bytes: int) -> None:
+        """The group's new share of the node's staging budget (the registry split it anew)."""
+        self.buffer.set_budget(budget_bytes)
+        self.stats["budget_bytes"] = budget_bytes
+        metrics.set_gauge("staging_budget_bytes", budget_bytes, group=self.group)
+        await self._notify()
+
     async def report(self) -> dict[str, Any]:
         """Counters for the sweep summary and tests."""
         trials = {t: c.served_samples for t, c in self.buffer.consumers.items()}
-        return dict(self.stats, staged_bytes=self.buffer.staged_bytes, peak_staged_bytes=self.buffer.peak_bytes,
-                    head=self.buffer.head, consumers=trials, in_flight=self.in_flight)
+        stall = time.monotonic() - self.blocked_since if self.blocked_since is not None else 0.0
+        return dict(self.stats, stall_s=self.stats["stall_s"] + stall, staged_bytes=self.buffer.staged_bytes,
+                    peak_staged_bytes=self.buffer.peak_bytes, head=self.buffer.head, consumers=trials,
+                    in_flight=self.in_flight)
 
     async def close(self, drain_timeout_s: float = 10.0) -> None:
-        """Stop producing, let in-flight pieces land (bounded), drop every piece, kill the prep actors."""
+        """Stop producing, let in-flight pieces land (bounded), drop every piece (the pool lives on)."""
         self.closed = True
         await self._notify()
         try:
@@ -180,8 +224,8 @@ class Coordinator:
         except asyncio.TimeoutError:
             logger.warning("%s: %d pieces still in flight at close", self.name, self.in_flight)
         self.buffer.clear()
-        for actor in self.actors:
-            ray.kill(actor, no_restart=True)
+        for task in self.watchers.values():
+            task.cancel()
         await self._notify()
         metrics.set_gauge("consumers", 0, group=self.group)  # the gauges outlive this actor in the agent
 
@@ -200,38 +244,41 @@ class Coordinator:
             if state == "closed":
                 return
             if state == "go":
-                self.blocked_since = None
                 self._reserve_and_submit()
                 continue
-            if state == "blocked" and self.blocked_since is None:
-                self.blocked_since = time.monotonic()
-            elif state == "idle":
-                self.blocked_since = None  # not the budget's fault: nobody waits on a laggard
+            if state == "stalled" and self.blocked_since is None:
+                self.blocked_since = time.monotonic()  # the lease starts running
+            elif state != "stalled":
+                self._end_stall()  # not the holders' fault: nobody waits on them
             async with self.changed:
-                # Wait for the state to change; the timeout is the lease while the budget blocks,
-                # and otherwise a periodic liveness re-check.
+                # Wait for the state to change; the timeout is the lease while it runs, and
+                # otherwise a periodic liveness re-check.
                 try:
                     await asyncio.wait_for(self.changed.wait_for(lambda now=state: self._producer_state() != now),
                                            self._wait_s())
                 except asyncio.TimeoutError:
                     self._enforce_lease()
 
+    def _head_bytes(self) -> int:
+        return self.plan.chunk_len(self.buffer.head) * self.spec.pipeline.sample_bytes  # type: ignore[union-attr]
+
     def _producer_state(self) -> str:
-        """``go`` (reserve the head now), ``idle`` (nothing wanted or enough in flight), ``blocked``
-        (wanted, but the byte budget is full) or ``closed``."""
+        """``go`` (reserve the head now), ``stalled`` (the budget is full of pieces some trials have
+        not fetched while another waits: the lease runs), ``wait`` (for anything else) or ``closed``."""
         if self.closed:
             return "closed"
-        if not (self.in_flight < self.max_in_flight and self.buffer.wanted()):
-            return "idle"
-        nbytes = self.plan.chunk_len(self.buffer.head) * self.spec.pipeline.sample_bytes  # type: ignore[union-attr]
-        return "go" if self.buffer.fits(nbytes) else "blocked"
+        if self.buffer.lease_holders(self._head_bytes()):
+            return "stalled"
+        if self.in_flight < self.max_in_flight and self.buffer.wanted() and self.buffer.fits(self._head_bytes()):
+            return "go"
+        return "wait"
 
     def _reserve_and_submit(self) -> None:
         g = self.buffer.head
-        slot = self.buffer.reserve(self.plan.chunk_len(g) * self.spec.pipeline.sample_bytes)  # type: ignore[union-attr]
+        slot = self.buffer.reserve(self._head_bytes())
         epoch, _ = self.plan.locate(g)
         actor = self.actors[g % len(self.actors)]
-        timing_ref, chunk_ref = actor.prepare.options(num_returns=2).remote(epoch, self.plan.chunk_samples(g))
+        timing_ref, chunk_ref = actor.prepare.options(num_returns=2).remote(self.spec, epoch, self.plan.chunk_samples(g))
         self.in_flight += 1
         task = asyncio.get_running_loop().create_task(self._settle(slot.g, timing_ref, chunk_ref))
         self.settling.add(task)
@@ -242,20 +289,68 @@ class Coordinator:
             return _PRODUCER_CHECK_S
         return max(0.01, self.spec.lease_s - (time.monotonic() - self.blocked_since))
 
+    def _end_stall(self) -> None:
+        if self.blocked_since is not None:
+            self.stats["stall_s"] += time.monotonic() - self.blocked_since
+            self.blocked_since = None
+
     def _enforce_lease(self) -> None:
-        """Detach the trials holding the oldest piece once the budget has blocked production for the lease."""
+        """Detach the trials holding the oldest piece once they have stalled a waiting trial for the lease."""
         if self.blocked_since is None or time.monotonic() - self.blocked_since < self.spec.lease_s:
             return
-        for trial in sorted(self.buffer.laggards()):
+        for trial in sorted(self.buffer.lease_holders(self._head_bytes())):
             token = self.buffer.consumers[trial].token
             self.buffer.leave(trial, token)
             self.evicted[trial] = token
             self.stats["evictions"] += 1
             metrics.inc("errors", 1, group=self.group, kind="lease_detached")
-            logger.warning("group %s: trial %s held the staging budget for %.0fs (dead or straggling); it now "
-                           "prepares its own pieces", self.spec.group_key, trial, self.spec.lease_s)
-        self.blocked_since = None
+            logger.warning("group %s: trial %s held the staging budget for %.0fs while another trial waited (a "
+                           "straggler); it now prepares its own pieces", self.spec.group_key, trial, self.spec.lease_s)
+        self._end_stall()
         self.changed.notify_all()  # we hold the condition's lock here
+
+    # -- watching consumers' processes --------------------------------------------------------
+    def _watch(self, consumer: str, token: int, process: Any, actor_id: str) -> None:
+        """Start watching the Tune actor ``consumer`` runs in; a reused actor releases its old trial."""
+        for other, other_id in list(self.actor_ids.items()):
+            if other_id == actor_id and _trial_of(other) != _trial_of(consumer) and other in self.buffer.consumers:
+                logger.info("group %s: trial %s runs in the actor trial %s ran in (Tune reused it): %s released",
+                            self.spec.group_key, _trial_of(consumer), _trial_of(other), other)
+                self.buffer.leave(other)
+        old = self.watchers.pop(consumer, None)
+        if old is not None:
+            old.cancel()
+        self.actor_ids[consumer] = actor_id
+        self.watchers[consumer] = asyncio.get_running_loop().create_task(self._watch_loop(consumer, token, process))
+
+    async def _watch_loop(self, consumer: str, token: int, process: Any) -> None:
+        """Release ``consumer`` as soon as its process ends (Tune paused, stopped or lost the trial).
+
+        A call on the trial's actor queues behind its running ``train`` call and fails at once when
+        the actor dies; while the actor lives it answers between two results. So the watch costs
+        one tiny call per reported result at most, and a death is seen within seconds.
+        """
+        while self.buffer.is_current(consumer, token) and not self.closed:
+            try:
+                await process.__ray_ready__.remote()
+            except ray.exceptions.RayActorError:
+                if self.buffer.is_current(consumer, token):
+                    self.buffer.leave(consumer, token)
+                    self.stats["released_dead"] += 1
+                    logger.info("group %s: the process of trial %s ended (paused, stopped or lost); released",
+                                self.spec.group_key, consumer)
+                    await self._notify()
+                return
+            except Exception as e:  # noqa: BLE001 (cannot watch it: the registry and the lease still apply)
+                logger.warning("group %s: cannot watch trial %s's process: %r", self.spec.group_key, consumer, e)
+                return
+            async with self.changed:  # look again after a while, or stop as soon as it leaves
+                try:
+                    await asyncio.wait_for(self.changed.wait_for(lambda: not self.buffer.is_current(consumer, token)
+                                                                 or self.closed), _WATCH_S)
+                except asyncio.TimeoutError:
+                    pass
+        self.watchers.pop(consumer, None)
 
     async def _settle(self, g: int, timing_ref: ray.ObjectRef, chunk_ref: ray.ObjectRef) -> None:
         try:
@@ -303,6 +398,11 @@ class Coordinator:
         metrics.set_gauge("consumers", len(self.buffer.consumers), group=self.group)
         async with self.changed:
             self.changed.notify_all()
+
+
+def _trial_of(consumer: str) -> str:
+    """The Tune trial id of a consumer id (``<trial>`` or ``<trial>#<k>`` for its k-th loader)."""
+    return consumer.split("#", 1)[0]
 
 
 def _root_cause(error: BaseException) -> BaseException:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import collections
+import logging
 import math
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Generator, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -20,6 +23,12 @@ from coordinated_prep.plan import holdout_split
 from coordinated_prep.sources import open_source
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.streams import PieceStream, PrivateStream, SharedStream
+
+logger = logging.getLogger(__name__)
+
+_OUTSIDE_TUNE = "local"
+#: Loaders created per trial id in this process (a retry runs in a new process and counts afresh).
+_LOADERS: collections.Counter[str] = collections.Counter()
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,8 @@ class TrainLoader:
         self._tags = dict(tags or {"group": "-", "trial": "-"})
         self.epoch = 0
         self.samples_per_epoch = stream.samples_per_epoch
+        # The current epoch's iterator, weakly: a `for` loop that breaks drops it, and then it is gone.
+        self._live: weakref.ref[Generator[Batch, None, None]] | None = None
 
     @property
     def start_piece(self) -> int:
@@ -98,11 +109,27 @@ class TrainLoader:
         return math.ceil(self.samples_per_epoch / self.batch_size)
 
     def __iter__(self) -> Iterator[Batch]:
+        """The batches of the trial's next epoch.
+
+        Raises:
+            ConfigError: Past the declared epochs, or while another iterator over this loader is
+                still live (two would split one epoch's samples between them).
+        """
+        live = self._live() if self._live is not None else None
+        if live is not None and live.gi_frame is not None:  # started or not, but neither finished nor closed
+            raise ConfigError(
+                f"train_loader: epoch {self.epoch} of this loader is still being iterated; a second live iterator "
+                "would take part of its samples. Finish or close() the first (a `for` loop that breaks closes it), "
+                "or create a second train_loader for a second stream")
         if self.epochs is not None and self.epoch >= self.epochs:
             raise ConfigError(f"train_loader: epoch {self.epoch + 1} requested, but the loader was created with "
                               f"epochs={self.epochs}; raise epochs or leave it unset")
         epoch, self.epoch = self.epoch, self.epoch + 1
-        batches = self._batches(epoch)
+        batches = self._timed(self._batches(epoch))
+        self._live = weakref.ref(batches)
+        return batches
+
+    def _timed(self, batches: Iterator[Batch]) -> Generator[Batch, None, None]:
         while True:
             t0 = time.perf_counter()
             batch = next(batches, None)
@@ -116,8 +143,8 @@ class TrainLoader:
 
     def _batches(self, epoch: int) -> Iterator[Batch]:
         first = self._stream.start + epoch * self._stream.chunks_per_epoch
-        while self._stream.position < first:  # the previous epoch was cut short (break, max steps)
-            self._stream.skip()  # its rest is passed over, so this epoch is again exactly one pass
+        if self._stream.position < first:  # the previous epoch was cut short (break, max steps)
+            self._stream.skip_to(first)  # its rest is passed over, so this epoch is again exactly one pass
         pending: list[PreparedChunk] = []  # pieces (or their tails) not yet put into a batch
         have = 0
         for _ in range(self._stream.chunks_per_epoch):
@@ -192,27 +219,36 @@ def train_loader(
         key: Config key of the DataSpec.
         prefetch: Pieces requested ahead; defaults to two batches' worth.
 
+    Outside a Tune trial (a sweep's best config trained again, say) a coordinated spec is prepared
+    in this process, as with ``coordinated=False``. A trial may create several loaders (other
+    datasets, a second view, the same spec twice): each is its own consumer of its group.
+
     Raises:
-        ConfigError: Bad batch size, no DataSpec in the config, or sharing without the searcher.
+        ConfigError: Bad batch size, no DataSpec in the config, or a Tune trial sharing without the
+            searcher.
     """
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ConfigError(f"train_loader: batch_size={batch_size!r} must be a positive integer")
     if epochs is not None and (not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1):
         raise ConfigError(f"train_loader: epochs={epochs!r} must be a positive integer or None")
     spec = resolve_spec(config, key)
-    if not spec.coordinated:
-        tags = {"group": spec.group_key, "trial": _current_trial_id(required=False)}
-        return TrainLoader(PrivateStream(spec), batch_size, epochs, tags)
+    trial = _current_trial_id(required=False)
+    if not spec.coordinated or trial == _OUTSIDE_TUNE:
+        if spec.coordinated:  # e.g. a sweep's best config, trained again outside Tune: nothing to share with
+            logger.info("train_loader: not inside a Tune trial; preparing data in this process (the same bytes a "
+                        "shared trial starting at piece 0 reads)")
+        return TrainLoader(PrivateStream(spec), batch_size, epochs, {"group": spec.group_key, "trial": trial})
     session = config.get(SESSION_KEY) if isinstance(config, Mapping) else None
     if not isinstance(session, str):
         raise ConfigError(
-            f"config[{key!r}] has coordinated=True but the trial was not started by a CoordinatedSearcher: "
-            "run the sweep with search_alg=CoordinatedSearcher() (tune.run or tune.TuneConfig), pass the "
-            "whole trial config to train_loader, or set coordinated=False"
+            f"trial {trial}: config[{key!r}] has coordinated=True but the trial was not started by a "
+            "CoordinatedSearcher: run the sweep with search_alg=CoordinatedSearcher() (tune.run or "
+            "tune.TuneConfig), pass the whole trial config to train_loader, or set coordinated=False"
         )
-    trial = _current_trial_id()
+    _LOADERS[trial] += 1  # a trial's k-th loader is its own consumer: several loaders per trial work
+    consumer = trial if _LOADERS[trial] == 1 else f"{trial}#{_LOADERS[trial]}"
     depth = prefetch if prefetch is not None else 2 * math.ceil(batch_size / spec.chunk_size) + 1
-    return TrainLoader(SharedStream(spec, session, trial, depth, epochs), batch_size, epochs,
+    return TrainLoader(SharedStream(spec, session, trial, consumer, depth, epochs), batch_size, epochs,
                        {"group": spec.group_key, "trial": trial})
 
 
@@ -230,7 +266,7 @@ def eval_loader(config: Mapping[str, Any] | DataSpec, batch_size: int, *, key: s
 
 
 def _current_trial_id(required: bool = True) -> str:
-    """The Tune trial id of this process; "local" outside Tune unless ``required``."""
+    """The Tune trial id of this process; ``"local"`` outside Tune unless ``required``."""
     try:
         from ray import tune
 
@@ -240,7 +276,7 @@ def _current_trial_id(required: bool = True) -> str:
     except Exception:  # outside a Tune trial the context raises or returns None, depending on version
         trial = None
     if not trial and not required:
-        return "local"
+        return _OUTSIDE_TUNE
     if not trial:
         raise ConfigError("train_loader: coordinated=True works inside a Tune trial only; "
                           "outside Tune use DataSpec(coordinated=False)")

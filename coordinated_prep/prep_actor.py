@@ -1,4 +1,4 @@
-"""The prep actor: prepares the pieces its coordinator assigns and returns them to the object store."""
+"""The prep actor: prepares the pieces any data group of its node assigns, into the object store."""
 
 from __future__ import annotations
 
@@ -12,48 +12,73 @@ from coordinated_prep.cache.layout import CacheLayout
 from coordinated_prep.cache.reader import CachedSource
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.chunk import ChunkTiming, PreparedChunk, prepare_chunk
+from coordinated_prep.contracts import DataSource, Preprocessor
 from coordinated_prep.sources import open_source
-from coordinated_prep.spec import DataSpec
+from coordinated_prep.spec import DataSpec, PipelineSpec
+
+_KEPT = 16  # datasets and pipelines kept open per actor (a sweep has a few)
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(max_restarts=-1, max_task_retries=3)
 class PrepActor:
-    """Reads and preprocesses pieces for one data group.
+    """Reads and preprocesses pieces for every data group of its node.
 
-    Owned by the group's coordinator (it dies with it). Created with ``max_restarts=-1`` and
-    ``max_task_retries`` by the coordinator, so a killed actor is restarted and its in-flight piece
-    prepared again; augmentation is a pure function of (seed, epoch, sample), so the retry is
-    byte-identical.
+    One of the node's prep pool (:mod:`coordinated_prep.pool.node`), owned by the sweep's group
+    registry, which creates it with a share of the pool's reserved CPUs. Any coordinator of the
+    node submits pieces to it; each call names its group's spec, and the actor keeps the sources and
+    preprocessors it has opened. A killed actor is restarted by Ray and its in-flight pieces are
+    prepared again (``max_task_retries``); augmentation is a pure function of (seed, epoch, sample),
+    so a retry is byte-identical.
 
     Args:
-        spec: The group's data spec.
         cache: The sweep's cache layout and options, if it has node caches: reads go through them.
     """
 
-    def __init__(self, spec: DataSpec, cache: tuple[CacheLayout, CacheSpec] | None = None) -> None:
+    def __init__(self, cache: tuple[CacheLayout, CacheSpec] | None = None) -> None:
         import torch
 
-        torch.set_num_threads(1)  # one actor per core: intra-op threads would only oversubscribe
-        self._spec = spec
-        source = open_source(spec.dataset)
-        self._cached = CachedSource(source, spec.dataset, *cache) if cache is not None else None
-        self._source = source if self._cached is None else self._cached
-        self._preprocessor = make_preprocessor(spec.pipeline)  # type: ignore[arg-type]
+        import coordinated_prep.backends.torchvision_backend  # noqa: F401  (now, not in the first piece)
 
-    def prepare(self, epoch: int, indices: np.ndarray) -> tuple[ChunkTiming, PreparedChunk]:
-        """Prepare one piece. Returns (timing, piece) as two objects: the coordinator awaits the
-        small first one and never pulls the images into its own process."""
+        torch.set_num_threads(1)  # one actor per core: intra-op threads would only oversubscribe
+        self._cache = cache
+        self._sources: dict[str, tuple[DataSource, CachedSource | None]] = {}
+        self._preprocessors: dict[PipelineSpec, Preprocessor] = {}
+
+    def prepare(self, spec: DataSpec, epoch: int, indices: np.ndarray) -> tuple[ChunkTiming, PreparedChunk]:
+        """Prepare one piece of ``spec``'s group. Returns (timing, piece) as two objects: the
+        coordinator awaits the small first one and never pulls the images into its own process."""
         cpu = time.process_time()
-        reads, hits = (self._cached.storage_reads, self._cached.cache_hits) if self._cached else (0, 0)
+        source, cached = self._source(spec.dataset)
+        preprocessor = self._preprocessor(spec.pipeline)  # type: ignore[arg-type]
+        reads, hits = (cached.storage_reads, cached.cache_hits) if cached else (0, 0)
         chunk, timing = prepare_chunk(
-            self._source, self._preprocessor, self._spec.seed, epoch, indices,
-            self._spec.pipeline.size, self._spec.on_error,  # type: ignore[union-attr]
+            source, preprocessor, spec.seed, epoch, indices, spec.pipeline.size, spec.on_error,  # type: ignore[union-attr]
         )
         # The put stage (serialising into the object store) happens after this returns; the
         # coordinator measures it as the time from here until it learns the task finished.
-        if self._cached is not None:
-            reads, hits = self._cached.storage_reads - reads, self._cached.cache_hits - hits
+        if cached is not None:
+            reads, hits = cached.storage_reads - reads, cached.cache_hits - hits
         else:
             reads = len(indices)
         return timing._replace(finished_at=time.time(), cpu_s=time.process_time() - cpu, storage_reads=reads,
                                cache_hits=hits), chunk
+
+    def _source(self, dataset: str) -> tuple[DataSource, CachedSource | None]:
+        if dataset not in self._sources:
+            _bound(self._sources)
+            source = open_source(dataset)
+            cached = CachedSource(source, dataset, *self._cache) if self._cache is not None else None
+            self._sources[dataset] = (cached or source, cached)
+        return self._sources[dataset]
+
+    def _preprocessor(self, pipeline: PipelineSpec) -> Preprocessor:
+        if pipeline not in self._preprocessors:
+            _bound(self._preprocessors)
+            self._preprocessors[pipeline] = make_preprocessor(pipeline)
+        return self._preprocessors[pipeline]
+
+
+def _bound(kept: dict) -> None:
+    """Forget the oldest entry once ``_KEPT`` are open (insertion order)."""
+    if len(kept) >= _KEPT:
+        del kept[next(iter(kept))]

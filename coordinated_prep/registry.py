@@ -1,7 +1,8 @@
-"""The group registry: one actor per sweep that owns the data groups' coordinators.
+"""The group registry: one actor per sweep that owns the node prep pools and the groups' coordinators.
 
 Ownership chain, top to bottom (each owner's death takes what it owns with it):
-CoordinatedSearcher (driver) -> GroupRegistry -> Coordinator per group and node -> prep actors and pieces;
+CoordinatedSearcher (driver) -> GroupRegistry -> NodePool per node (prep actors, staging budget)
+                                              -> Coordinator per group and node -> pieces;
 GroupRegistry -> RawCache per node (when the sweep has a cache) -> cached samples.
 """
 
@@ -20,91 +21,108 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from coordinated_prep.cache.actor import RawCache
 from coordinated_prep.cache.layout import CacheLayout
 from coordinated_prep.cache.spec import CacheSpec
-from coordinated_prep.coordinator import Coordinator, node_resources
+from coordinated_prep.coordinator import Coordinator
+from coordinated_prep.errors import PrepError
 from coordinated_prep.naming import NAMESPACE
+from coordinated_prep.pool.node import NodePool, node_table
+from coordinated_prep.pool.spec import PoolSpec, split_budget
 from coordinated_prep.spec import DataSpec
 
 logger = logging.getLogger(__name__)
 
 _CALL_TIMEOUT_S = 30.0
+_LIVENESS_TIMEOUT_S = 10.0
 _KEPT_INCARNATIONS = 50  # per group, the most recent coordinators' own counters kept in reports
 _SUMMED = ("samples_prepared", "samples_served", "pieces_prepared", "pieces_failed", "trials_joined",
-           "fetch_s", "transform_s", "put_s", "prep_cpu_s", "evictions", "storage_reads", "cache_hits")
+           "fetch_s", "transform_s", "put_s", "prep_cpu_s", "evictions", "storage_reads", "cache_hits",
+           "released_dead", "stall_s", "pieces_passed")
 
 
 @dataclass
 class _Group:
     spec: DataSpec
+    node: str
     actor: Any
     trials: set[str] = field(default_factory=set)
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
 class GroupRegistry:
-    """Creates a group's coordinator on a node when the group's first trial there joins, and
-    destroys it when the last one there leaves.
+    """Starts a prep pool on every node, and a group's coordinator on a node when the group's first
+    trial there joins; destroys the coordinator when the last one there leaves.
 
-    A data group has one coordinator per node its trials run on, each with its own prep actors,
-    so a trial always reads from its own node. With a cache, the registry starts one cache actor
-    on every node alive when the first group starts, and destroys them in :meth:`shutdown`.
+    A data group has one coordinator per node its trials run on, so a trial always reads from its
+    own node; every coordinator of a node shares that node's prep pool and splits its staging
+    budget evenly with the node's other groups. With a cache, the registry starts one cache actor
+    on every node alive when the first group starts. :meth:`shutdown` destroys all of it.
 
     Args:
         session: The searcher's session id, part of every actor name.
         cache: The sweep's node cache, or None for none.
+        pool: The sweep's prep pool options.
     """
 
-    def __init__(self, session: str, cache: CacheSpec | None = None) -> None:
+    def __init__(self, session: str, cache: CacheSpec | None = None, pool: PoolSpec | None = None) -> None:
         self.session = session
         self._cache_spec = cache
+        self._pool_spec = pool or PoolSpec()
         self._layout: CacheLayout | None = None
         self._caches: dict[str, Any] = {}
+        self._pools: dict[str, NodePool] = {}
+        self._starting: dict[str, asyncio.Task] = {}
         self._groups: dict[str, _Group] = {}
-        self._trial_group: dict[str, str] = {}
+        self._trial_groups: dict[str, set[str]] = {}
         self._finished: dict[str, dict[str, Any]] = {}
         self._incarnation = itertools.count()
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def start(self) -> dict[str, int]:
+        """Start a prep pool on every live node with CPUs and wait until each is ready (warm start).
+
+        Returns:
+            Per node id, its number of prep actors.
+
+        Raises:
+            PrepError: A node's pool did not start (names the node and the fix).
+        """
+        nodes = [n for n, (cpus, _) in node_table().items() if cpus > 0]
+        pools = await asyncio.gather(*(self._pool(n) for n in nodes))
+        return {p.node: len(p.actors) for p in pools}
 
     async def group_for(self, spec: DataSpec, trial: str, node: str | None = None) -> Any:
         """The coordinator of ``spec``'s group on node ``node`` (default: the registry's), created if
-        needed; ``trial`` becomes a member."""
-        node = node or node_resources()[0]
+        needed or if the one there died; ``trial`` becomes a member (a trial may be in several groups)."""
+        node = node or ray.get_runtime_context().get_node_id()
         key = f"{spec.group_key}@{node[:12]}"
-        if self._trial_group.get(trial, key) != key:  # the trial changed its data spec (e.g. PBT) or node
-            await self.trial_done(trial)
-        group = self._groups.get(key)
-        if group is None:
-            name = f"coordprep-{self.session}-{spec.group_key}-{node[:8]}-{next(self._incarnation)}"
-            actor = Coordinator.options(
-                name=name, namespace=NAMESPACE,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-            ).remote(spec, name, self._ensure_caches())
-            group = self._groups[key] = _Group(spec, actor)
-            logger.info("data group %s: started %s on node %s", spec.group_key, name, node)
+        async with self._locks.setdefault(key, asyncio.Lock()):  # one check-and-start per group at a time
+            group = self._groups.get(key)
+            if group is not None and not await _alive(group.actor):
+                logger.warning("data group %s: its coordinator died; starting a new one", key)
+                del self._groups[key]
+                _merge(self._finished, spec.group_key, {"coordinator_failures": 1}, spec)
+                group = None
+            if group is None:
+                group = await self._start_group(key, spec, node)
         group.trials.add(trial)
-        self._trial_group[trial] = key
+        self._trial_groups.setdefault(trial, set()).add(key)
         return group.actor
 
     async def trial_done(self, trial: str) -> None:
-        """``trial`` ended for good: it leaves its group, and an empty group is destroyed."""
-        key = self._trial_group.pop(trial, None)
-        if key is None:
-            return
-        group = self._groups[key]
-        group.trials.discard(trial)
-        if group.trials:
-            try:
-                await asyncio.wait_for(group.actor.leave.remote(trial), _CALL_TIMEOUT_S)
-            except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
-                logger.warning("data group %s: trial %s could not leave cleanly: %r", key, trial, e)
-            return
-        del self._groups[key]  # before any await, so a concurrent join starts a fresh group
-        try:
-            _merge(self._finished, group.spec.group_key,
-                   await asyncio.wait_for(group.actor.report.remote(), _CALL_TIMEOUT_S), group.spec)
-            await asyncio.wait_for(group.actor.close.remote(), _CALL_TIMEOUT_S)
-        except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
-            logger.warning("data group %s: coordinator did not close cleanly: %r", key, e)
-        ray.kill(group.actor)
-        logger.info("data group %s: last trial left; coordinator destroyed", key)
+        """``trial`` ended for good: it leaves its groups, and an empty group is destroyed."""
+        for key in self._trial_groups.pop(trial, set()):
+            group = self._groups.get(key)
+            if group is None:
+                continue
+            group.trials.discard(trial)
+            if group.trials:
+                try:
+                    await asyncio.wait_for(group.actor.leave_trial.remote(trial), _CALL_TIMEOUT_S)
+                except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
+                    logger.warning("data group %s: trial %s could not leave cleanly: %r", key, trial, e)
+                continue
+            del self._groups[key]  # before any await, so a concurrent join starts a fresh group
+            await self._destroy(key, group)
+            await self._split(group.node)
 
     async def reports(self) -> dict[str, dict[str, Any]]:
         """Per group: counters summed over its coordinators so far, live ones included."""
@@ -116,6 +134,12 @@ class GroupRegistry:
             except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
                 logger.warning("data group %s: no report: %s", key, e)
         return out
+
+    async def pools(self) -> dict[str, dict[str, Any]]:
+        """Per node: prep actors, reserved CPUs, staging budget, and each live group's share of it."""
+        return {node: {"prep_actors": len(p.actors), "reserved_cpus": p.reserved_cpus, "budget_bytes": p.budget_bytes,
+                       "groups": {k: self._share(node, k, p) for k, g in self._groups.items() if g.node == node}}
+                for node, p in self._pools.items()}
 
     async def cache_reports(self) -> dict[str, dict[str, Any]]:
         """Per node: the cache's counters (hits local and remote, misses, storage reads, bytes held),
@@ -130,9 +154,15 @@ class GroupRegistry:
         return out
 
     async def shutdown(self) -> None:
-        """Destroy every group, then the node caches."""
-        for trial in list(self._trial_group):
+        """Destroy every group, then the prep pools and the node caches."""
+        for trial in list(self._trial_groups):
             await self.trial_done(trial)
+        for key, group in list(self._groups.items()):  # groups whose coordinators were replaced
+            del self._groups[key]
+            await self._destroy(key, group)
+        for pool in self._pools.values():
+            pool.kill()
+        self._pools.clear()
         for node, actor in self._caches.items():
             try:
                 await asyncio.wait_for(actor.clear.remote(), _CALL_TIMEOUT_S)
@@ -141,12 +171,76 @@ class GroupRegistry:
             ray.kill(actor)
         self._caches.clear()
 
+    # -- internals ---------------------------------------------------------------------------
+    async def _start_group(self, key: str, spec: DataSpec, node: str) -> _Group:
+        pool = await self._pool(node)
+        name = f"coordprep-{self.session}-{spec.group_key}-{node[:8]}-{next(self._incarnation)}"
+        group = self._groups[key] = _Group(spec, node, None)
+        group.actor = Coordinator.options(
+            name=name, namespace=NAMESPACE,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+        ).remote(spec, name, pool.actors, self._share(node, key, pool))
+        logger.info("data group %s: started %s on node %s", spec.group_key, name, node)
+        await self._split(node, except_key=key)
+        return group
+
+    async def _pool(self, node: str) -> NodePool:
+        """The node's prep pool, started (once, concurrent callers share the start) and ready."""
+        if node in self._pools:
+            return self._pools[node]
+        if node not in self._starting:
+            self._starting[node] = asyncio.get_running_loop().create_task(self._start_pool(node))
+        try:
+            return await asyncio.shield(self._starting[node])
+        finally:
+            if self._starting.get(node) is not None and self._starting[node].done():
+                del self._starting[node]
+
+    async def _start_pool(self, node: str) -> NodePool:
+        cpus, store = node_table().get(node, (1.0, float(2**30)))
+        pool = NodePool(node, cpus, store, self._pool_spec, self._ensure_caches())
+        try:
+            await pool.ready()
+        except PrepError:
+            pool.kill()
+            raise
+        self._pools[node] = pool
+        return pool
+
+    def _share(self, node: str, key: str, pool: NodePool) -> int:
+        """Group ``key``'s share of ``node``'s staging budget, the group counted in."""
+        caps = {k: g.spec.staging_bytes for k, g in self._groups.items() if g.node == node}
+        caps.setdefault(key, self._groups[key].spec.staging_bytes if key in self._groups else None)
+        return max(split_budget(pool.budget_bytes, caps)[key], 1)
+
+    async def _split(self, node: str, except_key: str | None = None) -> None:
+        """Tell every coordinator of ``node`` its share of the node's budget (after a group came or went)."""
+        pool = self._pools.get(node)
+        if pool is None:
+            return
+        calls = [g.actor.set_budget.remote(self._share(node, k, pool))
+                 for k, g in self._groups.items() if g.node == node and k != except_key]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for r in results:
+            if isinstance(r, Exception):
+                logger.warning("node %s: a coordinator did not take its new budget share: %r", node, r)
+
+    async def _destroy(self, key: str, group: _Group) -> None:
+        try:
+            _merge(self._finished, group.spec.group_key,
+                   await asyncio.wait_for(group.actor.report.remote(), _CALL_TIMEOUT_S), group.spec)
+            await asyncio.wait_for(group.actor.close.remote(), _CALL_TIMEOUT_S)
+        except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
+            logger.warning("data group %s: coordinator did not close cleanly: %r", key, e)
+        ray.kill(group.actor)
+        logger.info("data group %s: last trial left; coordinator destroyed", key)
+
     def _ensure_caches(self) -> tuple[CacheLayout, CacheSpec] | None:
-        """Start a cache actor on every live node (once, when the first group starts); the layout."""
+        """Start a cache actor on every live node (once, when the first pool starts); the layout."""
         if self._cache_spec is None:
             return None
         if self._layout is None:
-            nodes = tuple(sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]))
+            nodes = tuple(sorted(node_table()))
             self._layout = CacheLayout(self.session, nodes, self._cache_spec.seed, self._cache_spec.partitioned)
             for node in nodes:
                 name = self._layout.actor_name(node)
@@ -160,9 +254,23 @@ class GroupRegistry:
         return self._layout, self._cache_spec
 
 
+async def _alive(actor: Any) -> bool:
+    """Whether ``actor`` answers (a dead one fails at once; a busy asyncio actor still answers)."""
+    try:
+        await asyncio.wait_for(actor.__ray_ready__.remote(), _LIVENESS_TIMEOUT_S)
+        return True
+    except ray.exceptions.RayActorError:
+        return False
+    except asyncio.TimeoutError:
+        return True  # slow, not dead: the trial's own timeouts apply
+
+
 def _merge(reports: dict[str, dict[str, Any]], key: str, live: dict[str, Any], spec: DataSpec) -> None:
     acc = reports.setdefault(key, {"dataset": spec.dataset, "seed": spec.seed, "coordinators": 0,
-                                   "peak_staged_bytes": 0, **{k: 0 for k in _SUMMED}})
+                                   "coordinator_failures": 0, "peak_staged_bytes": 0, **{k: 0 for k in _SUMMED}})
+    if live.get("coordinator_failures"):
+        acc["coordinator_failures"] += live["coordinator_failures"]
+        return
     acc["coordinators"] += 1
     kept = acc.setdefault("per_coordinator", [])
     kept.append({k: live.get(k) for k in ("coordinator", "samples_prepared", "samples_served", "pieces_prepared")})

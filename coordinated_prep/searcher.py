@@ -13,6 +13,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.naming import NAMESPACE, SESSION_KEY, registry_name
+from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.registry import GroupRegistry
 
 logger = logging.getLogger(__name__)
@@ -23,11 +24,16 @@ _PENDING_WITHOUT_LIMIT = 200  # what Tune allows a BasicVariantGenerator on a sm
 class CoordinatedSearcher(SearchAlgorithm):
     """Wraps a Tune search algorithm and shares data preparation among the trials it suggests.
 
-    It owns a group registry actor, on the driver's node and outside every trial's placement group. A trial whose loader
-    has ``coordinated=True`` joins the coordinator of its data group through the registry, which
-    starts that coordinator on first use. When Tune reports a trial complete (finished, stopped by
-    a scheduler, errored), the trial leaves its group; when a group's last trial leaves, its
-    coordinator, prep actors and staged pieces are destroyed. Call :meth:`close` after the sweep.
+    It owns a group registry actor, on the driver's node and outside every trial's placement group.
+    Before Tune places the first trial, the registry starts a prep pool on every node and waits
+    until it is ready (a warm start; the pool's CPUs are reserved before trials can take them). A
+    trial whose loader has ``coordinated=True`` joins the coordinator of its data group through the
+    registry, which starts that coordinator on first use. When Tune reports a trial complete
+    (finished, stopped by a scheduler, errored), the trial leaves its groups; when a group's last
+    trial leaves, its coordinator and staged pieces are destroyed. Paused trials, whose process
+    Tune ends without telling a search algorithm, are released by the coordinators themselves.
+    Call :meth:`close` after the sweep. The searcher survives pickling (``Tuner.restore``): the
+    restored one finds or restarts the same session's registry, so restored trials rejoin.
 
     Args:
         searcher: A Tune ``Searcher`` (e.g. OptunaSearch) or ``SearchAlgorithm``; default is Tune's
@@ -36,10 +42,13 @@ class CoordinatedSearcher(SearchAlgorithm):
             ``max_concurrent_trials`` for a SearchAlgorithm.
         cache: A raw-data cache on every node (a :class:`CacheSpec` or a mapping of its fields),
             shared by every data group of the sweep; None (default): samples are read from storage.
+        pool: The prep pool and staging budget of every node (a :class:`PoolSpec` or a mapping of
+            its fields); default ``PoolSpec()``: one prep actor per CPU reserving half the CPUs.
     """
 
     def __init__(self, searcher: Searcher | SearchAlgorithm | None = None, *, max_concurrent: int = 0,
-                 cache: CacheSpec | Mapping[str, Any] | None = None) -> None:
+                 cache: CacheSpec | Mapping[str, Any] | None = None,
+                 pool: PoolSpec | Mapping[str, Any] | None = None) -> None:
         if not isinstance(max_concurrent, int) or max_concurrent < 0:
             raise ConfigError(f"CoordinatedSearcher: max_concurrent={max_concurrent!r} must be an integer >= 0")
         if isinstance(cache, Mapping):
@@ -48,6 +57,12 @@ class CoordinatedSearcher(SearchAlgorithm):
             raise ConfigError(f"CoordinatedSearcher: cache={cache!r} must be a CacheSpec, a mapping or None, "
                               "e.g. cache=CacheSpec(capacity_bytes='4GiB')")
         self._cache = cache
+        if isinstance(pool, Mapping):
+            pool = PoolSpec.from_mapping(pool)
+        elif pool is not None and not isinstance(pool, PoolSpec):
+            raise ConfigError(f"CoordinatedSearcher: pool={pool!r} must be a PoolSpec, a mapping or None, "
+                              "e.g. pool=PoolSpec(actors=4, cpus=2)")
+        self._pool = pool or PoolSpec()
         if searcher is None:
             inner: SearchAlgorithm = BasicVariantGenerator(max_concurrent=max_concurrent)
         elif isinstance(searcher, Searcher):
@@ -69,6 +84,12 @@ class CoordinatedSearcher(SearchAlgorithm):
             Searcher(), max_concurrent=max_concurrent or _PENDING_WITHOUT_LIMIT)
         self.session = uuid.uuid4().hex[:8]
         self._registry: Any = None
+        self._trials: dict[str, Any] = {}  # trial id -> Trial, to strip the session key when it completes
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Tune pickles the search algorithm with the Tuner (Tuner.restore): keep the session, so that
+        # restored trials, whose configs name it, find its registry; drop the live handles.
+        return {**self.__dict__, "_registry": None, "_trials": {}}
 
     # -- Tune's SearchAlgorithm hooks, delegated ---------------------------------------------
     @property
@@ -86,12 +107,13 @@ class CoordinatedSearcher(SearchAlgorithm):
         self._inner.add_configurations(experiments)
 
     def next_trial(self):
+        self._ensure_registry()  # before Tune places any trial, restored ones included
         trial = self._inner.next_trial()
         if trial is not None:
             # Tune hides non-primitive config values (a DataSpec) behind placeholders until the
             # trial is added, so the group is found later, by the trial, through the registry.
-            self._ensure_registry()
             trial.config[SESSION_KEY] = self.session
+            self._trials[trial.trial_id] = trial
         return trial
 
     def on_trial_result(self, trial_id: str, result: Dict) -> None:
@@ -99,6 +121,10 @@ class CoordinatedSearcher(SearchAlgorithm):
 
     def on_trial_complete(self, trial_id: str, result: Optional[Dict] = None, error: bool = False) -> None:
         self._inner.on_trial_complete(trial_id, result=result, error=error)
+        trial = self._trials.pop(trial_id, None)
+        if trial is not None and not error:
+            # The session key has done its job: without it, the best config is reusable as it is.
+            trial.config.pop(SESSION_KEY, None)
         if self._registry is None:
             return
         try:  # synchronous, so what only this trial held is freed before the next trial starts
@@ -113,12 +139,15 @@ class CoordinatedSearcher(SearchAlgorithm):
         self._inner.set_finished()
 
     def has_checkpoint(self, dirpath: str) -> bool:
+        # Tune asks this first when it restores an experiment, before restored trials start.
+        self._ensure_registry()
         return self._inner.has_checkpoint(dirpath)
 
     def save_to_dir(self, dirpath: str, **kwargs) -> None:
         self._inner.save_to_dir(dirpath, **kwargs)
 
     def restore_from_dir(self, dirpath: str) -> None:
+        self._ensure_registry()
         self._inner.restore_from_dir(dirpath)
 
     # -- data groups ------------------------------------------------------------------------
@@ -127,6 +156,12 @@ class CoordinatedSearcher(SearchAlgorithm):
         if self._registry is None:
             return {}
         return ray.get(self._registry.reports.remote(), timeout=_CALL_TIMEOUT_S)
+
+    def pool_reports(self) -> dict[str, dict[str, Any]]:
+        """Per node: prep actors, reserved CPUs, staging budget and each live group's share of it."""
+        if self._registry is None:
+            return {}
+        return ray.get(self._registry.pools.remote(), timeout=_CALL_TIMEOUT_S)
 
     def cache_reports(self) -> dict[str, dict[str, Any]]:
         """Per node: the raw-data cache's hits (local, remote), misses, storage reads and bytes held."""
@@ -146,9 +181,15 @@ class CoordinatedSearcher(SearchAlgorithm):
         self._registry = None
 
     def _ensure_registry(self) -> None:
-        if self._registry is None:
-            here = ray.get_runtime_context().get_node_id()  # the driver's node: it lives as long as the sweep
-            self._registry = GroupRegistry.options(
-                name=registry_name(self.session), namespace=NAMESPACE,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
-            ).remote(self.session, self._cache)
+        """Start the registry and every node's prep pool, once; waits until the pools are ready."""
+        if self._registry is not None:
+            return
+        here = ray.get_runtime_context().get_node_id()  # the driver's node: it lives as long as the sweep
+        registry = GroupRegistry.options(
+            name=registry_name(self.session), namespace=NAMESPACE, get_if_exists=True,  # a restored sweep's
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+        ).remote(self.session, self._cache, self._pool)
+        # Blocking on purpose: the pools must hold their CPUs before Tune places trials on them.
+        pools = ray.get(registry.start.remote(), timeout=self._pool.start_timeout_s + _CALL_TIMEOUT_S)
+        self._registry = registry
+        logger.info("coordinated_prep: prep pools ready on %d node(s): %s", len(pools), pools)

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
@@ -92,7 +93,8 @@ class DataSpec:
     and share one coordinator; any difference forms another group.
 
     Args:
-        dataset: ``"builtin:shapes"`` or the path of a directory in ImageFolder layout.
+        dataset: ``"builtin:shapes"``, or the path of an ImageFolder or Parquet dataset directory;
+            a relative path is made absolute here (Tune runs each trial in its own directory).
         pipeline: A :class:`PipelineSpec` or a mapping of its fields.
         seed: Seed of the sample order and of every random augmentation.
         coordinated: Share preparation between trials; ``False`` runs the same pipeline
@@ -100,18 +102,18 @@ class DataSpec:
         holdout: Fraction of the dataset held out for evaluation (split fixed per dataset).
         chunk_size: Samples per prepared piece, the unit of work, staging and freeing.
         segments: Join points per epoch; a trial joining mid-epoch starts at the next one.
-        prep_actors: Number of prep actors; ``None`` picks one per CPU of the node.
-        staging_fraction: Default staging budget as a fraction of the object store.
-        staging_bytes: Explicit staging budget in bytes (overrides ``staging_fraction``).
+        staging_bytes: Most bytes this group may stage on a node; ``None``: its even share of the
+            node's staging budget (``PoolSpec``). The node's prep actors and budget are the pool's.
         lookahead: Pieces prepared beyond the furthest piece any trial asked for; ``None`` picks
-            ``max(8, 4 x prep_actors)``.
+            ``max(8, 4 x the node's prep actors)``.
         fetch_timeout_s: How long a trial waits for one piece before failing with an error.
         on_error: What a broken sample (unreadable, truncated, not an image) does: ``raise`` fails
             the trials that read it, naming the file and index; ``skip`` leaves it out for every
             trial of the group alike, logged once with its path and counted in the summary.
         lease_s: Longest time production waits for the trials holding the oldest staged piece
-            when the byte budget is full; after it those trials (dead, or stragglers) are detached
-            and prepare their own pieces from then on, byte-identical and still exact per epoch.
+            when the byte budget is full and another trial waits for a piece; after it those trials
+            (stragglers) are detached and prepare their own pieces from then on, byte-identical and
+            still exact per epoch. Trials whose process ended are released within seconds instead.
     """
 
     dataset: str = "builtin:shapes"
@@ -121,8 +123,6 @@ class DataSpec:
     holdout: float = 0.1
     chunk_size: int = 32
     segments: int = 16
-    prep_actors: int | None = None
-    staging_fraction: float = 0.25
     staging_bytes: int | None = None
     lookahead: int | None = None
     fetch_timeout_s: float = 300.0
@@ -136,6 +136,8 @@ class DataSpec:
             raise ConfigError(f"data.pipeline={self.pipeline!r} must be a PipelineSpec or a mapping")
         if not isinstance(self.dataset, str) or not self.dataset:
             raise ConfigError(f"data.dataset={self.dataset!r} must be 'builtin:<name>' or a directory path")
+        if not self.dataset.startswith(BUILTIN_PREFIX):  # one group and cache key per directory, anywhere
+            object.__setattr__(self, "dataset", os.path.abspath(os.path.expanduser(self.dataset)))
         _check_int("data.seed", self.seed, 0)
         if not isinstance(self.coordinated, bool):
             raise ConfigError(f"data.coordinated={self.coordinated!r} must be true or false")
@@ -143,10 +145,6 @@ class DataSpec:
             raise ConfigError(f"data.holdout={self.holdout!r} must be a fraction in [0, 1)")
         _check_int("data.chunk_size", self.chunk_size, 1)
         _check_int("data.segments", self.segments, 1)
-        if self.prep_actors is not None:
-            _check_int("data.prep_actors", self.prep_actors, 1)
-        if not isinstance(self.staging_fraction, (int, float)) or not 0.0 < self.staging_fraction <= 0.9:
-            raise ConfigError(f"data.staging_fraction={self.staging_fraction!r} must be in (0, 0.9]")
         if self.staging_bytes is not None:
             _check_int("data.staging_bytes", self.staging_bytes, 1)
             if self.staging_bytes < self.chunk_bytes:
@@ -199,9 +197,18 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
 
 
+#: Keys that moved from the data group to the node's prep pool, and where they went.
+_MOVED = {"prep_actors": "actors", "staging_fraction": "staging_fraction"}
+
+
 def _known_keys(cls: type, values: Mapping[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(values, Mapping):
         raise ConfigError(f"{where} must be a mapping, got {type(values).__name__}")
+    moved = sorted(set(values) & set(_MOVED)) if cls is DataSpec else []
+    if moved:
+        raise ConfigError(f"{where}.{moved[0]} belongs to the node's prep pool now, shared by every data group: "
+                          f"set pool.{_MOVED[moved[0]]} (YAML) or CoordinatedSearcher(pool=PoolSpec("
+                          f"{_MOVED[moved[0]]}=...))")
     allowed = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(values) - set(allowed))
     if unknown:

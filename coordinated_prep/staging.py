@@ -17,7 +17,17 @@ Life cycle of a piece ``g`` (the legal transitions; nothing else changes a slot)
   trial that declares how many pieces it will read (its epochs) has a finite ``end``, so nothing is
   prepared past the last piece any trial will read.
 - A consumer leaving removes it from every slot; slots left without consumers are released as
-  soon as they are no longer in flight.
+  soon as they are no longer in flight. A consumer passing over the rest of an epoch
+  (``skip_to``) leaves the slots below its new floor the same way, at once.
+- The head never rests on a piece nobody will read: after every join, leave or skip it moves up
+  to the first piece some consumer still needs (the pieces passed over are never prepared).
+
+Liveness (``tests/test_staging.py`` checks it after every step of random schedules): for every
+registered consumer, production reaches its next piece without any other consumer acting, unless
+the budget is full of settled pieces that other, live consumers have not fetched; then
+:meth:`StagingBuffer.lease_holders` names those consumers, and once the lease detaches them
+production goes on. A consumer that waits for nothing (a lone trial evaluating) never makes the
+lease run out for anyone.
 - Release means the coordinator drops its reference. A trial that fetched the piece may still hold
   its own (borrowed) reference to the current batch; Ray frees the memory when that is dropped too.
 """
@@ -25,7 +35,7 @@ Life cycle of a piece ``g`` (the legal transitions; nothing else changes a slot)
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
@@ -50,20 +60,28 @@ class Slot:
 
 @dataclass
 class Consumer:
-    """A registered trial: its incarnation token, its range of pieces ``[start, end)``, samples served.
+    """A registered trial's loader: its incarnation, its range of pieces, its requests, samples served.
 
-    The token tells a trial that re-joined under the same id (a Tune retry) from requests its
+    The token tells a consumer that re-joined under the same id (a Tune retry) from requests its
     previous incarnation left in flight: those must not consume the new incarnation's pieces.
     """
 
     token: int
-    start: int
-    end: int | None = None  # None: the trial reads on until it leaves
+    start: int  # the first piece of its first epoch
+    end: int | None = None  # None: it reads on until it leaves
+    floor: int = 0  # pieces below it are read or passed over (never below start)
+    requested: int = 0  # one past the furthest piece it has asked for
+    waits: dict[int, int] = field(default_factory=dict)  # pieces it waits for now -> outstanding requests
     served_samples: int = 0
 
     def covers(self, g: int) -> bool:
-        """Whether piece ``g`` is one this trial reads."""
-        return self.start <= g and (self.end is None or g < self.end)
+        """Whether piece ``g`` is one this consumer still reads."""
+        return self.floor <= g and (self.end is None or g < self.end)
+
+    def first_needed(self, head: int) -> int | None:
+        """The first piece at or after ``head`` it still reads, or None."""
+        g = max(head, self.floor)
+        return g if self.end is None or g < self.end else None
 
 
 class StagingBuffer:
@@ -82,7 +100,6 @@ class StagingBuffer:
         self.lookahead = lookahead
         self._next_join_point = next_join_point
         self.head = 0  # the next piece to reserve
-        self.demand = 0  # one past the furthest piece any consumer has requested
         self.slots: dict[int, Slot] = {}
         self.consumers: dict[str, Consumer] = {}
         self.staged_bytes = 0
@@ -107,17 +124,14 @@ class StagingBuffer:
                 break
             low = g
         start = self._next_join_point(low)
-        if not any(c.covers(self.head) or c.start > self.head for c in self.consumers.values()):
-            # Nobody needs the pieces between the head and this start (pieces still in flight there
-            # are freed when they land): skip them, or no consumer would ever want the head again.
-            self.head = max(self.head, start)
         self._tokens += 1
-        consumer = Consumer(token=self._tokens, start=start, end=None if pieces is None else start + pieces)
+        consumer = Consumer(token=self._tokens, start=start, end=None if pieces is None else start + pieces,
+                            floor=start, requested=start)
         self.consumers[trial] = consumer
-        self.demand = max(self.demand, start)
         for g, slot in self.slots.items():
             if consumer.covers(g):
                 slot.waiting.add(trial)
+        self._advance_head()
         return self._tokens, start
 
     def is_current(self, trial: str, token: int) -> bool:
@@ -130,27 +144,74 @@ class StagingBuffer:
         if trial not in self.consumers or token is not None and not self.is_current(trial, token):
             return []
         del self.consumers[trial]
-        released = []
-        for slot in list(self.slots.values()):
-            slot.waiting.discard(trial)
-            if not slot.waiting and slot.state is not SlotState.RESERVED:
-                released.append(self._release(slot.g))
+        released = self._drop(trial, lambda g: True)
+        self._advance_head()
+        return released
+
+    def skip_to(self, trial: str, token: int, g: int) -> list[Slot]:
+        """``trial`` passes over every piece below ``g`` it has not fetched (an epoch cut short).
+
+        Returns the slots this released. Nothing waits: pieces below ``g`` not yet prepared will
+        not be prepared for it, and staged ones are left at once.
+        """
+        consumer = self.consumers.get(trial)
+        if consumer is None or consumer.token != token or g <= consumer.floor:
+            return []
+        consumer.floor = g
+        consumer.requested = max(consumer.requested, g)
+        released = self._drop(trial, lambda piece: piece < g)
+        self._advance_head()
         return released
 
     # -- producing ---------------------------------------------------------------------------
+    @property
+    def demand(self) -> int:
+        """One past the furthest piece a registered consumer has asked for (falls when it leaves)."""
+        return max((c.requested for c in self.consumers.values()), default=0)
+
     def wanted(self) -> bool:
         """Whether some registered trial needs the head piece, and it is within the lookahead."""
         return self.head < self.demand + self.lookahead and any(c.covers(self.head) for c in self.consumers.values())
 
-    def laggards(self) -> set[str]:
-        """The trials that still have to fetch the oldest staged piece (the ones holding the window)."""
-        if not self.slots:
-            return set()
-        return set(self.slots[min(self.slots)].waiting)
+    def starving(self) -> set[str]:
+        """The consumers waiting for a piece that is not staged yet."""
+        return {t for t, c in self.consumers.items() if any(g not in self.slots for g in c.waits)}
 
-    def request(self, g: int) -> None:
-        """A consumer asked for piece ``g``: production may run ``lookahead`` pieces past it."""
-        self.demand = max(self.demand, g + 1)
+    def lease_holders(self, nbytes: int) -> set[str]:
+        """Whom the lease would detach now, with ``nbytes`` the size of the head piece.
+
+        Non-empty only while production is wanted but the budget cannot take the head piece, some
+        consumer waits for a piece not staged yet, and the oldest staged piece is settled: then
+        the consumers that have not fetched it, other than the waiting ones, hold the window.
+        """
+        if not self.slots or not self.wanted() or self.fits(nbytes):
+            return set()
+        starving = self.starving()
+        oldest = self.slots[min(self.slots)]
+        if not starving or oldest.state is SlotState.RESERVED:
+            return set()
+        return oldest.waiting - starving
+
+    def request(self, trial: str, g: int) -> None:
+        """``trial`` asks for piece ``g`` and waits for it; production may run ``lookahead`` past it."""
+        consumer = self.consumers[trial]
+        consumer.requested = max(consumer.requested, g + 1)
+        consumer.waits[g] = consumer.waits.get(g, 0) + 1
+
+    def end_wait(self, trial: str, g: int) -> None:
+        """A request of ``trial`` for piece ``g`` was answered (or abandoned)."""
+        consumer = self.consumers.get(trial)
+        if consumer is None or g not in consumer.waits:
+            return
+        consumer.waits[g] -= 1
+        if not consumer.waits[g]:
+            del consumer.waits[g]
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """A new byte budget (the node's budget was split anew); staged pieces above it stay until freed."""
+        if budget_bytes < 1:
+            raise ValueError(f"budget_bytes={budget_bytes} must be positive")
+        self.budget_bytes = budget_bytes
 
     def fits(self, nbytes: int) -> bool:
         """Whether reserving ``nbytes`` more keeps the staged bytes within the budget."""
@@ -187,6 +248,11 @@ class StagingBuffer:
             return self._release(g)
         return None
 
+    def passed(self, trial: str, g: int) -> bool:
+        """Whether ``trial`` passed over piece ``g`` (it lies below its floor, past its start)."""
+        consumer = self.consumers.get(trial)
+        return consumer is not None and consumer.start <= g < consumer.floor
+
     def needs(self, trial: str, g: int) -> bool:
         """Whether ``g`` is a piece ``trial`` may still fetch."""
         consumer = self.consumers.get(trial)
@@ -203,6 +269,26 @@ class StagingBuffer:
         return released
 
     # -- internals ---------------------------------------------------------------------------
+    def _drop(self, trial: str, which: Callable[[int], bool]) -> list[Slot]:
+        """Remove ``trial`` from the slots ``which`` selects; returns those released by it."""
+        released = []
+        for slot in list(self.slots.values()):
+            if which(slot.g) and trial in slot.waiting:
+                slot.waiting.discard(trial)
+                if not slot.waiting and slot.state is not SlotState.RESERVED:
+                    released.append(self._release(slot.g))
+        return released
+
+    def _advance_head(self) -> None:
+        """Move the head up to the first piece some consumer still needs (liveness).
+
+        Without this, a head that no consumer covers (its readers left, and the others start further
+        on) would never be wanted again, and everyone after it would wait forever. Pieces passed over
+        are never prepared; ones still in flight are freed when they land.
+        """
+        needed = [g for c in self.consumers.values() if (g := c.first_needed(self.head)) is not None]
+        if needed:
+            self.head = max(self.head, min(needed))
     def _settle(self, g: int, state: SlotState, payload: Any) -> Slot | None:
         slot = self.slots[g]
         if slot.state is not SlotState.RESERVED:

@@ -37,8 +37,8 @@ class PieceStream(Protocol):
         """The next piece; raises PrepError naming the trial if it cannot be had."""
         ...
 
-    def skip(self) -> None:
-        """Pass over the next piece without reading it (it still counts as taken)."""
+    def skip_to(self, g: int) -> None:
+        """Pass over every piece before piece ``g`` without reading it, at once (no waiting)."""
         ...
 
     def close(self) -> None:
@@ -70,8 +70,8 @@ class PrivateStream:
     def position(self) -> int:
         return self._next
 
-    def skip(self) -> None:
-        self._next += 1
+    def skip_to(self, g: int) -> None:
+        self._next = max(self._next, g)
 
     def next_piece(self) -> PreparedChunk:
         g, self._next = self._next, self._next + 1
@@ -93,14 +93,17 @@ class SharedStream:
     Args:
         spec: The trial's data spec.
         session: The CoordinatedSearcher session that owns the sweep's data groups.
-        trial: The trial id the coordinator knows this consumer by.
+        trial: The Tune trial id.
+        consumer: The id the coordinator knows this loader by: the trial id, with ``#k`` appended
+            for the trial's k-th loader, so that one trial may read several loaders.
         prefetch: Pieces requested ahead of the one being consumed (bounded).
         epochs: Epochs the trial will read, if it knows: nothing past them is requested or prepared.
     """
 
-    def __init__(self, spec: DataSpec, session: str, trial: str, prefetch: int, epochs: int | None = None) -> None:
+    def __init__(self, spec: DataSpec, session: str, trial: str, consumer: str, prefetch: int,
+                 epochs: int | None = None) -> None:
         self._spec = spec
-        self._trial = trial
+        self._trial = consumer
         self._fallback: PrivateStream | None = None  # set when the lease detaches this trial
         self._timeout = spec.fetch_timeout_s
         try:
@@ -112,7 +115,9 @@ class SharedStream:
             ) from None
         node = ray.get_runtime_context().get_node_id()  # the group's coordinator on this node serves it
         self._coordinator = self._call(registry.group_for.remote(spec, trial, node), "finding its data group")
-        info = self._call(self._coordinator.join.remote(trial, epochs), "joining its data group")
+        process, process_id = _this_actor()  # the coordinator watches it: a paused trial's process ends
+        info = self._call(self._coordinator.join.remote(consumer, epochs, process, process_id),
+                          "joining its data group")
         self.start: int = info["start"]
         self.chunks_per_epoch: int = info["chunks_per_epoch"]
         self.samples_per_epoch: int = info["samples_per_epoch"]
@@ -140,9 +145,15 @@ class SharedStream:
             return self._fallback.next_piece()  # type: ignore[union-attr]
         return self._call(answer["ref"], f"reading piece {g}")
 
-    def skip(self) -> None:
-        if self._answer()[1] is None:
-            self._fallback.skip()  # type: ignore[union-attr]
+    def skip_to(self, g: int) -> None:
+        """Pass over the pieces before ``g``: one call to the coordinator, and no waiting."""
+        if self._fallback is not None:
+            self._fallback.skip_to(g)
+            return
+        while self._pending and self._pending[0][0] < g:
+            self._pending.popleft()  # their answers are dropped unread: the coordinator says "passed"
+        self._next = max(self._next, g)
+        self._coordinator.skip_to.remote(self._trial, self._token, g)  # ordered before later fetches
 
     def _answer(self) -> tuple[int, dict[str, Any] | None]:
         """The coordinator's answer for the next piece; None once this trial prepares its own."""
@@ -165,7 +176,8 @@ class SharedStream:
             self._fallback = PrivateStream(self._spec, first=g)
             return g, None
         if answer["status"] != "ok":
-            raise PrepError(f"trial {self._trial}: its data group ended or dropped it while it waited for piece {g}")
+            raise PrepError(f"trial {self._trial}: its data group ended or dropped it while it waited for piece {g} "
+                            f"({answer['status']}: was its process ended by Tune, or the loader closed?)")
         return g, answer
 
     def close(self) -> None:
@@ -179,7 +191,7 @@ class SharedStream:
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             pass  # the coordinator is gone or busy: the searcher's on_trial_complete removes us anyway
 
-    def _call(self, ref: ray.ObjectRef, doing: str, timeout: float | None = None):
+    def _call(self, ref: ray.ObjectRef, doing: str, timeout: float | None = None) -> Any:
         try:
             return ray.get(ref, timeout=timeout or self._timeout)
         except ray.exceptions.GetTimeoutError:
@@ -191,3 +203,15 @@ class SharedStream:
             raise PrepError(f"trial {self._trial}: the group's coordinator died while {doing}: {e}") from e
         except ray.exceptions.RayError as e:  # e.g. the piece was lost with its owner
             raise PrepError(f"trial {self._trial}: {doing} failed: {e}") from e
+
+
+def _this_actor() -> tuple[Any, str | None]:
+    """(handle, id) of the Ray actor this process runs (a Tune trial's), or (None, None) outside one."""
+    context = ray.get_runtime_context()
+    actor_id = context.get_actor_id()
+    if actor_id is None:
+        return None, None
+    try:
+        return context.current_actor, actor_id
+    except Exception:  # noqa: BLE001 (not every worker can build its own handle; then nothing is watched)
+        return None, None

@@ -38,9 +38,12 @@ def small_dataset(tmp_path_factory) -> str:
 
 def plasma_objects() -> int:
     """Objects in the node's object store now (from Ray's memory summary)."""
+    import ray
     from ray._private.internal_api import memory_summary
 
-    match = re.search(r"Plasma memory usage \d+ MiB, (\d+) objects", memory_summary(stats_only=True))
+    # The address of this test's Ray: another instance on the machine must not make it ambiguous.
+    summary = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
+    match = re.search(r"Plasma memory usage \d+ MiB, (\d+) objects", summary)
     assert match, "Ray's memory summary changed format"
     return int(match.group(1))
 

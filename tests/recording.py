@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import tempfile
 import time
 
 import numpy as np
@@ -45,6 +46,10 @@ def _inject(config: dict, epoch: int, step: int) -> None:
     elif fault in ("kill_prep", "kill_coordinator"):
         from ray.util.state import list_actors  # Ray's state API (needs the dashboard running)
 
+        marker = os.path.join(config["out"], f"{fault}-done")
+        if os.path.exists(marker):  # once per test: a retried trial must not kill again
+            return
+        open(marker, "w").close()
         cls = "PrepActor" if fault == "kill_prep" else "Coordinator"
         victims = list_actors(filters=[("class_name", "=", cls), ("state", "=", "ALIVE")], detail=True)
         assert victims, f"no live {cls} actor"
@@ -85,14 +90,17 @@ def record(config: dict) -> None:
 
     Optional: ``delay_s`` per batch (a slow trial's compute step), ``fault`` to inject (see _inject),
     ``declare_epochs`` (True: the loader is told the epochs, so nothing past them is prepared),
+    ``checkpoint`` (True: a checkpoint holding the epoch is reported every epoch, and a restored
+    trial resumes at that epoch, declaring the epochs left),
     ``gate`` (name of a :class:`Gate` in the coordinated_prep namespace: after epoch ``gate_after``
     the trial arrives there and waits for the test to open it).
     """
     out = os.path.join(config["out"], tune.get_context().get_trial_id())
     os.makedirs(out, exist_ok=True)
+    first = _restored_epoch()  # 0 unless Tune restored the trial from its checkpoint (pause, PBT, retry)
     loader = train_loader(config, batch_size=config["batch_size"],
-                          epochs=config["epochs"] if config.get("declare_epochs", True) else None)
-    for epoch in range(config["epochs"]):
+                          epochs=config["epochs"] - first if config.get("declare_epochs", True) else None)
+    for epoch in range(first, config["epochs"]):
         parts = []
         for step, b in enumerate(loader):
             parts.append((b.indices.numpy(), b.stream_epochs.numpy(), sample_digests(b.images.numpy()), len(b)))
@@ -104,11 +112,26 @@ def record(config: dict) -> None:
                  digests=np.concatenate([p[2] for p in parts]), batch_sizes=np.array([p[3] for p in parts]),
                  start=loader.start_piece, coordinator=str(loader.coordinator),
                  private_samples=loader.private_samples, node=ray.get_runtime_context().get_node_id())
-        tune.report({"epoch": epoch + 1, "score": float(config.get("score", 0.0)) * (epoch + 1)})
+        metrics = {"epoch": epoch + 1, "score": float(config.get("score", 0.0)) * (epoch + 1)}
+        if config.get("checkpoint"):
+            with tempfile.TemporaryDirectory() as d:
+                with open(os.path.join(d, "epoch"), "w") as f:
+                    f.write(str(epoch + 1))
+                tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
+        else:
+            tune.report(metrics)
         if config.get("gate") and epoch == config.get("gate_after", 0):
             gate = ray.get_actor(config["gate"], namespace="coordinated_prep")
             ray.get(gate.arrive.remote(tune.get_context().get_trial_id()), timeout=60)
             ray.get(gate.wait_open.remote(300), timeout=330)
+
+
+def _restored_epoch() -> int:
+    checkpoint = tune.get_checkpoint()
+    if checkpoint is None:
+        return 0
+    with checkpoint.as_directory() as d, open(os.path.join(d, "epoch")) as f:
+        return int(f.read())
 
 
 def load_records(out: str) -> dict[str, list[dict[str, np.ndarray]]]:
@@ -120,4 +143,5 @@ def load_records(out: str) -> dict[str, list[dict[str, np.ndarray]]]:
         files = sorted(f for f in os.listdir(os.path.join(out, trial)) if f.endswith(".npz"))
         files.sort(key=lambda f: int(f[5:-4]))
         records[trial] = [dict(np.load(os.path.join(out, trial, f))) for f in files]
+        assert [int(f[5:-4]) for f in files] == list(range(len(files))), f"{trial}: epochs missing: {files}"
     return records

@@ -82,8 +82,8 @@ def test_minio_hit_rate_is_the_cached_fraction_while_lru_of_the_same_size_falls_
 def test_every_group_on_the_node_shares_one_cache_and_storage_is_read_once(ray_session, small_dataset, tmp_path):
     source = open_source(small_dataset)
     train, _ = holdout_split(len(source), 0.1)
-    specs = [DataSpec(dataset=small_dataset, pipeline={"size": size}, seed=1, chunk_size=8, segments=4,
-                      prep_actors=1) for size in (32, 24)]  # two data groups, one dataset
+    specs = [DataSpec(dataset=small_dataset, pipeline={"size": size}, seed=1, chunk_size=8, segments=4)
+                      for size in (32, 24)]  # two data groups, one dataset
     searcher = CoordinatedSearcher(cache=CacheSpec("64MiB"))  # holds the whole dataset
     with FileOpens(small_dataset) as opens:
         analysis = tune.run(

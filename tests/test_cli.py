@@ -25,7 +25,8 @@ def test_a_tiny_sweep_prints_and_writes_its_summary(ray_session, small_dataset, 
         name: tiny
         storage_path: {tmp_path / "runs"}
         trainable: small_cnn
-        data: {{dataset: {small_dataset}, pipeline: {{size: 24}}, chunk_size: 8, prep_actors: 1}}
+        data: {{dataset: {small_dataset}, pipeline: {{size: 24}}, chunk_size: 8}}
+        pool: {{actors: 1}}
         search_space: {{lr: {{loguniform: [0.01, 0.1]}}, batch_size: {{choice: [8, 16]}}, width: 4, epochs: 2}}
         num_samples: 3
         max_concurrent_trials: 3

@@ -29,10 +29,9 @@ def small_store_ray(tmp_path_factory):
 def test_large_batches_in_a_small_object_store_finish_within_the_budget(small_store_ray, tmp_path):
     root = make_imagefolder(str(tmp_path / "data"), classes=2, per_class=150, size=(160, 120), png_every=99)
     # 96 px pieces of 48 samples are 1.3 MiB; batches of 96 and 144 samples span 2 and 3 pieces.
-    spec = DataSpec(dataset=root, pipeline={"size": 96}, chunk_size=48, segments=2, prep_actors=2,
-                    staging_fraction=0.1)
+    spec = DataSpec(dataset=root, pipeline={"size": 96}, chunk_size=48, segments=2)
     baseline = plasma_objects()
-    searcher = CoordinatedSearcher()
+    searcher = CoordinatedSearcher(pool={"staging_fraction": 0.1})
     analysis = tune.run(
         tune.with_resources(record, {"cpu": 0.25}),
         config={"data": spec, "batch_size": tune.grid_search([96, 144]), "epochs": 2, "out": str(tmp_path / "rec")},

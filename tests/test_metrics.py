@@ -59,7 +59,7 @@ def value(samples, name: str, **tags: str) -> float | None:
 
 
 def test_metrics_are_scraped_during_a_sweep_with_plausible_values(ray_session, small_dataset, tmp_path):
-    spec = DataSpec(dataset=small_dataset, pipeline={"size": 32}, seed=4, chunk_size=8, segments=4, prep_actors=2,
+    spec = DataSpec(dataset=small_dataset, pipeline={"size": 32}, seed=4, chunk_size=8, segments=4,
                     staging_bytes=64 * 8 * 3 * 32 * 32)
     group, epochs = spec.group_key, 2
     during: list[dict] = []

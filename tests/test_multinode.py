@@ -54,7 +54,7 @@ def _pinned(config: dict) -> PlacementGroupFactory:
 
 
 def _spec(dataset: str) -> DataSpec:
-    return DataSpec(dataset=dataset, pipeline={"size": 32}, seed=2, chunk_size=8, segments=4, prep_actors=1,
+    return DataSpec(dataset=dataset, pipeline={"size": 32}, seed=2, chunk_size=8, segments=4,
                     lookahead=2)
 
 

@@ -53,7 +53,7 @@ class _Sampler(Callback):
 
 def test_forty_trials_under_asha_do_not_grow_memory(ray_session, small_dataset, tmp_path):
     baseline = plasma_objects()
-    spec = DataSpec(dataset=small_dataset, pipeline={"size": 32}, chunk_size=8, segments=4, prep_actors=2)
+    spec = DataSpec(dataset=small_dataset, pipeline={"size": 32}, chunk_size=8, segments=4)
     sampler = _Sampler()
     searcher = CoordinatedSearcher(max_concurrent=4)
     analysis = tune.run(

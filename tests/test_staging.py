@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -88,20 +89,23 @@ def test_lookahead_bounds_production_past_the_furthest_request():
         buf.mark_ready(buf.reserve(PIECE).g, 1)
         produced += 1
     assert produced == 3
-    buf.request(0)
+    buf.request("a", 0)
     assert buf.wanted() and buf.reserve(PIECE).g == 3 and not buf.wanted()
 
 
-def test_laggards_are_the_trials_holding_the_oldest_piece():
+def test_the_lease_holders_are_the_trials_holding_the_oldest_piece_while_another_waits():
     plan = StreamPlan(np.arange(40), 0, chunk_size=4, segments=5)
     buf = _buffer(plan, 2)
     buf.join("fast")
     buf.join("slow")
-    assert buf.laggards() == set()
+    assert buf.lease_holders(PIECE) == set()
     for g in range(2):
         buf.mark_ready(buf.reserve(PIECE).g, g)
         buf.fetched("fast", g, 4)
-    assert not buf.fits(PIECE) and buf.laggards() == {"slow"}
+    assert not buf.fits(PIECE)
+    assert buf.lease_holders(PIECE) == set(), "nobody waits for a piece: no lease runs (a lone trial evaluating)"
+    buf.request("fast", 2)
+    assert buf.lease_holders(PIECE) == {"slow"}
     buf.leave("slow")  # what the coordinator does when the lease runs out
     assert buf.fits(PIECE) and not buf.slots
 
@@ -150,10 +154,38 @@ class _Trial:
     start: int
     cursor: int
     end: float = float("inf")  # a trial that declared its epochs reads pieces [start, end)
-    pieces: list[int] = field(default_factory=list)
+    pieces: list[int] = field(default_factory=list)  # the pieces of its whole epochs and its current one
 
-    def covers(self, g: int) -> bool:
-        return self.start <= g < self.end
+
+def _head_bytes(buf: StagingBuffer, plan: StreamPlan) -> int:
+    return plan.chunk_len(buf.head) * PIECE
+
+
+def _served_alone(buf: StagingBuffer, plan: StreamPlan, trial: str, cursor: int) -> bool:
+    """Liveness: from this state, with no other trial acting, ``trial`` gets piece ``cursor``.
+
+    Only the producer (reserve when wanted and within budget), landing pieces and the lease (which
+    may detach only other trials, and only while ``trial`` waits) act. Runs on a copy.
+    """
+    buf = copy.deepcopy(buf)
+    in_flight = [g for g, s in buf.slots.items() if s.state is SlotState.RESERVED]
+    buf.request(trial, cursor)
+    for _ in range(10_000):
+        slot = buf.slots.get(cursor)
+        if slot is not None and slot.state is not SlotState.RESERVED and trial in slot.waiting:
+            return True
+        if in_flight:
+            buf.mark_ready(in_flight.pop(), "ref")
+        elif buf.wanted() and buf.fits(_head_bytes(buf, plan)):
+            in_flight.append(buf.reserve(_head_bytes(buf, plan)).g)
+        else:
+            holders = buf.lease_holders(_head_bytes(buf, plan))
+            if not holders:
+                return False  # stranded: nobody will ever produce its piece
+            assert trial not in holders, "the lease would detach the trial that waits"
+            for held in holders:
+                buf.leave(held)
+    return False
 
 
 ops = st.lists(
@@ -164,6 +196,8 @@ ops = st.lists(
         st.tuples(st.just("produce"), st.integers(0, 0)),
         st.tuples(st.just("settle"), st.integers(0, 5)),
         st.tuples(st.just("fetch"), st.integers(0, 3)),
+        st.tuples(st.just("skip"), st.integers(0, 3)),
+        st.tuples(st.just("lease"), st.integers(0, 0)),
     ),
     max_size=300,
 )
@@ -179,6 +213,7 @@ def test_exactly_once_and_freeing_under_random_schedules(ops, n, chunk, segments
     trials: dict[str, _Trial] = {}
     finished: list[_Trial] = []
     in_flight: list[int] = []
+    bound = 0
     for op, arg in ops:
         name = f"t{arg % 4}"
         if op in ("join", "join_for"):
@@ -197,30 +232,46 @@ def test_exactly_once_and_freeing_under_random_schedules(ops, n, chunk, segments
             buf.mark_ready(in_flight.pop(arg % len(in_flight)), "ref")
         elif op == "fetch" and name in trials and trials[name].cursor < trials[name].end:
             t = trials[name]
-            buf.request(t.cursor)
+            buf.request(name, t.cursor)
             slot = buf.slots.get(t.cursor)
             if slot is not None and slot.state is SlotState.READY:
+                buf.end_wait(name, t.cursor)
                 buf.fetched(name, t.cursor, plan.chunk_len(t.cursor))
                 t.pieces.append(t.cursor)
                 t.cursor += 1
+        elif op == "skip" and name in trials:  # the trial cuts its epoch short: on to its next epoch
+            t = trials[name]
+            nxt = t.start + ((t.cursor - t.start) // plan.chunks_per_epoch + 1) * plan.chunks_per_epoch
+            if nxt < t.end:
+                buf.skip_to(name, buf.consumers[name].token, nxt)
+                del t.pieces[len(t.pieces) - (t.cursor - t.start) % plan.chunks_per_epoch:]  # not a whole epoch
+                t.cursor = nxt
+        elif op == "lease":  # the lease ran out (the coordinator's timer): the holders are detached
+            for held in buf.lease_holders(_head_bytes(buf, plan)):
+                buf.leave(held)
+                finished.append(trials.pop(held))
         # Invariants after every step.
         assert buf.staged_bytes == sum(s.nbytes for s in buf.slots.values())
         assert buf.staged_bytes <= buf.budget_bytes or len(buf.slots) == 1
-        assert buf.head <= max(buf.demand + buf.lookahead, max((t.start for t in trials.values()), default=0))
-        # Liveness: every trial's next unread piece is staged or still to be produced (never skipped).
-        for t in trials.values():
+        # Production stays within the lookahead of what some trial asked for, or where one starts.
+        bound = max(bound, buf.demand + buf.lookahead, max((c.floor for c in buf.consumers.values()), default=0))
+        assert buf.head <= bound
+        # Every trial's next unread piece is staged or still to be produced (never skipped), and
+        # (liveness) production reaches it without any other trial acting.
+        for tname, t in trials.items():
             assert t.cursor >= t.end or t.cursor in buf.slots or t.cursor >= buf.head, (t, buf.head)
+            if t.cursor < t.end:
+                assert _served_alone(buf, plan, tname, t.cursor), f"{tname} stranded at piece {t.cursor}"
         for tname, t in trials.items():  # nothing a current consumer has not read is gone
             for g in range(t.cursor, int(min(buf.head, t.end))):
                 assert g in buf.slots and tname in buf.slots[g].waiting, (tname, g)
     # Every trial's completed epochs hold every sample exactly once.
-    for name, t in trials.items():
-        assert buf.consumers[name].served_samples == sum(plan.chunk_len(g) for g in t.pieces)
     for t in finished + list(trials.values()):
         epochs = [t.pieces[k * plan.chunks_per_epoch : (k + 1) * plan.chunks_per_epoch]
                   for k in range(len(t.pieces) // plan.chunks_per_epoch)]
-        assert all(p == list(range(t.start + k * plan.chunks_per_epoch, t.start + (k + 1) * plan.chunks_per_epoch))
-                   for k, p in enumerate(epochs))
+        firsts = [p[0] for p in epochs]
+        assert all(p == list(range(p[0], p[0] + plan.chunks_per_epoch)) for p in epochs)
+        assert all((f - t.start) % plan.chunks_per_epoch == 0 for f in firsts), "epochs start on epoch boundaries"
         if epochs:
             assert_exactly_once([np.concatenate([plan.chunk_samples(g) for g in e]) for e in epochs], ids)
     # Everything is freed once every trial has left and every piece has landed.
@@ -242,3 +293,57 @@ def test_a_trial_that_declares_its_epochs_gets_nothing_past_them():
     assert produced == list(range(10)), "production stops at the end of the only trial's epoch"
     _, start = buf.join("b")  # an open-ended trial joining now still gets pieces past a's end
     assert buf.wanted() and buf.reserve(PIECE).g == 10 and "a" not in buf.slots[10].waiting
+
+
+def test_a_joiner_past_the_head_is_served_when_the_head_trials_leave():
+    """The stranded joiner (issue 10): X reads, Y joins past the head, X leaves; Y and Z are served."""
+    plan = StreamPlan(np.arange(64), 0, chunk_size=4, segments=4)  # 16 pieces, segments of 4
+    buf = _buffer(plan, 100)
+    buf.join("X")
+    for _ in range(6):
+        buf.mark_ready(buf.reserve(PIECE).g, "ref")
+    for g in range(5):
+        buf.fetched("X", g, 4)
+    _, start = buf.join("Y")
+    assert start == 8 and buf.head == 6
+    buf.leave("X")
+    assert buf.needs("Y", 8) and buf.head == 8 and buf.wanted(), "production moves on to Y's first piece"
+    _, z_start = buf.join("Z")
+    assert z_start == 8 and buf.reserve(PIECE).waiting == {"Y", "Z"}
+
+
+def test_a_lone_trial_that_waits_for_nothing_is_never_leased():
+    plan = StreamPlan(np.arange(64), 0, chunk_size=4, segments=4)
+    buf = _buffer(plan, 2)
+    buf.join("lone")
+    while buf.wanted() and buf.fits(PIECE):
+        buf.mark_ready(buf.reserve(PIECE).g, "ref")
+    assert buf.lease_holders(PIECE) == set(), "its own unread pieces do not make it a straggler"
+    buf.request("lone", 0)
+    assert buf.lease_holders(PIECE) == set(), "it waits for a staged piece: nothing blocks it"
+
+
+def test_skip_to_passes_over_an_epochs_rest_at_once():
+    plan = StreamPlan(np.arange(64), 0, chunk_size=4, segments=4)  # 16 pieces an epoch
+    buf = _buffer(plan, 100, lookahead=4)
+    token, _ = buf.join("a")
+    buf.join("b")
+    for _ in range(4):
+        buf.mark_ready(buf.reserve(PIECE).g, "ref")
+    buf.fetched("a", 0, 4)
+    released = buf.skip_to("a", token, 16)
+    assert released == [] and all("a" not in s.waiting for s in buf.slots.values()), "b still reads them"
+    assert buf.passed("a", 5) and not buf.needs("a", 5) and buf.needs("a", 16)
+    buf.leave("b")
+    assert not buf.slots and buf.head == 16 and buf.wanted(), "nothing between is prepared for a"
+
+
+def test_demand_falls_when_the_furthest_trial_leaves():
+    plan = StreamPlan(np.arange(400), 0, chunk_size=4, segments=1)
+    buf = _buffer(plan, 1000, lookahead=2)
+    buf.join("fast")
+    buf.join("slow")
+    buf.request("fast", 50)
+    assert buf.demand == 51
+    buf.leave("fast")
+    assert buf.demand == 0, "the lookahead counts from the trials still there"

@@ -20,7 +20,7 @@ LOOKAHEAD = 2
 
 def _spec(dataset: str, **overrides) -> DataSpec:
     values = dict(dataset=dataset, pipeline={"size": 32, "scale": [0.3, 1.0]}, seed=5, chunk_size=8, segments=4,
-                  prep_actors=2, lookahead=LOOKAHEAD)
+                  lookahead=LOOKAHEAD)
     values.update(overrides)
     return DataSpec(**values)
 
@@ -119,11 +119,25 @@ def test_asha_stops_trials_early_without_leaks(ray_session, small_dataset, tmp_p
     assert live_coordprep_actors() == [] and plasma_objects() == baseline
 
 
-def test_sharing_without_the_searcher_is_a_clear_error(small_dataset):
-    from coordinated_prep import ConfigError
+def test_sharing_without_the_searcher_is_a_clear_error_in_the_trial(ray_session, small_dataset, tmp_path):
+    analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}),
+                        config={"data": _spec(small_dataset), "batch_size": 8, "epochs": 1, "out": str(tmp_path)},
+                        verbose=0, raise_on_failed_trial=False)
+    [trial] = analysis.trials
+    message = open(trial.error_file).read()
+    assert trial.status == "ERROR" and f"trial {trial.trial_id}" in message and "CoordinatedSearcher" in message
 
-    with pytest.raises(ConfigError, match="CoordinatedSearcher"):
-        train_loader({"data": _spec(small_dataset)}, batch_size=8)
+
+def test_a_sweeps_config_reused_outside_tune_prepares_in_process(small_dataset):
+    """A best config (coordinated, with the sweep's session key) trains again outside the sweep."""
+    best = {"data": _spec(small_dataset), "__coordprep__": "0123abcd"}
+    reused = train_loader(best, batch_size=8, epochs=1)
+    private = train_loader(_spec(small_dataset, coordinated=False), batch_size=8, epochs=1)
+    got, want = list(reused), list(private)
+    assert np.array_equal(np.concatenate([b.indices.numpy() for b in got]),
+                          np.concatenate([b.indices.numpy() for b in want]))
+    assert np.array_equal(np.concatenate([sample_digests(b.images.numpy()) for b in got]),
+                          np.concatenate([sample_digests(b.images.numpy()) for b in want]))
 
 
 def test_a_corrupt_jpeg_fails_its_trials_naming_the_file(ray_session, tmp_path):

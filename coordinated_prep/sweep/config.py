@@ -23,6 +23,7 @@ Schema (every key but ``trainable`` and ``search_space`` is optional)::
     scheduler: {type: asha, grace_period: 1, reduction_factor: 2}   # or {type: fifo}
     ray: {num_cpus: 2, object_store_memory: 1073741824}             # passed to ray.init
     cache: {capacity_bytes: 256MiB, partitioned: true}              # a raw-data cache per node (CacheSpec)
+    pool: {actors: 2, cpus: 1, staging_fraction: 0.25}              # each node's prep pool and budget (PoolSpec)
     # also include_dashboard, dashboard_host, metrics_export_port (Prometheus endpoint of the node)
 """
 
@@ -35,12 +36,13 @@ from typing import Any, Callable, Literal, Mapping
 
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import ConfigError
+from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.sweep.yaml_loader import load_yaml
 
 DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint")
 TOP_KEYS = ("name", "storage_path", "trainable", "data", "search_space", "num_samples", "max_concurrent_trials",
-            "resources_per_trial", "metric", "mode", "scheduler", "ray", "cache")
+            "resources_per_trial", "metric", "mode", "scheduler", "ray", "cache", "pool")
 SCHEDULER_KEYS = {"fifo": ("type",), "asha": ("type", "grace_period", "reduction_factor", "max_t")}
 #: What the registered trainables need of their search space: (integer?, lowest value, required?).
 TRAINABLE_KEYS = {"lr": (False, 0.0, True), "batch_size": (True, 1, True), "epochs": (True, 1, True),
@@ -94,6 +96,7 @@ class SweepConfig:
     scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)
     ray: Mapping[str, Any] = field(default_factory=dict)
     cache: CacheSpec | None = None
+    pool: PoolSpec = field(default_factory=PoolSpec)
 
     def trainable_fn(self) -> Callable[[dict], None]:
         """The trainable function this sweep names."""
@@ -158,6 +161,8 @@ def _parse(path: str, raw: Any) -> SweepConfig:
         kwargs["ray"] = dict(raw["ray"])
     if raw.get("cache") is not None:
         kwargs["cache"] = CacheSpec.from_mapping(raw["cache"], "cache")
+    if raw.get("pool") is not None:
+        kwargs["pool"] = PoolSpec.from_mapping(raw["pool"], "pool")
     return SweepConfig(**kwargs)
 
 

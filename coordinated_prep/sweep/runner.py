@@ -23,23 +23,29 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1) -> dict[str, Any]:
         if "metrics_export_port" in init:  # ray.init spells it with a leading underscore
             init["_metrics_export_port"] = init.pop("metrics_export_port")
         ray.init(**init)
-    searcher = CoordinatedSearcher(max_concurrent=cfg.max_concurrent_trials, cache=cfg.cache)
+    # An unshared sweep (data.coordinated: false) has nothing to coordinate: no searcher, no prep pool.
+    searcher = (CoordinatedSearcher(max_concurrent=cfg.max_concurrent_trials, cache=cfg.cache, pool=cfg.pool)
+                if cfg.data.coordinated else None)
     storage = os.path.abspath(cfg.storage_path)
     resources = {k: v for k, v in cfg.resources_per_trial.items() if v}
     tuner = tune.Tuner(
         tune.with_resources(cfg.trainable_fn(), resources),
         param_space=cfg.param_space(),
         tune_config=tune.TuneConfig(search_alg=searcher, scheduler=_scheduler(cfg), num_samples=cfg.num_samples,
-                                    metric=cfg.metric, mode=cfg.mode),
+                                    metric=cfg.metric, mode=cfg.mode,
+                                    max_concurrent_trials=None if searcher else cfg.max_concurrent_trials or None),
         run_config=tune.RunConfig(name=cfg.name, storage_path=storage, verbose=verbose,
                                   failure_config=tune.FailureConfig(max_failures=0)),
     )
+    groups: dict[str, Any] = {}
+    caches: dict[str, Any] = {}
     try:
         results = tuner.fit()
-        groups = searcher.group_reports()
-        caches = searcher.cache_reports()
+        if searcher is not None:
+            groups, caches = searcher.group_reports(), searcher.cache_reports()
     finally:
-        searcher.close()
+        if searcher is not None:
+            searcher.close()
     trials = [_trial_row(r, cfg.metric) for r in results]
     summary = build_summary(trials, groups, cfg.metric, cfg.mode, caches)
     summary["path"] = write_summary(summary, os.path.join(storage, cfg.name))

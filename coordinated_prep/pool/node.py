@@ -1,0 +1,82 @@
+"""One node's prep pool: its prep actors, the CPUs they reserve, and the node's staging budget.
+
+Ownership: the sweep's :class:`~coordinated_prep.registry.GroupRegistry` creates one ``NodePool``
+per node when the sweep starts (every live node) or when a trial first runs on a node that joined
+later, and kills its actors in ``shutdown``; the actors are the registry's (Ray's owner), so they
+outlive any one coordinator. Coordinators hold handles and submit pieces to them, and own the
+pieces they get back. The pool starts before the first trial is placed: its actors reserve their
+CPUs before Tune's trials can take them, and have imported torch by the time the first piece is
+asked for (a warm start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from coordinated_prep.cache.layout import CacheLayout
+from coordinated_prep.cache.spec import CacheSpec
+from coordinated_prep.errors import PrepError
+from coordinated_prep.pool.spec import PoolSpec
+from coordinated_prep.prep_actor import PrepActor
+
+logger = logging.getLogger(__name__)
+
+
+def node_table() -> dict[str, tuple[float, float]]:
+    """Per live node id: (CPUs, object store bytes)."""
+    return {n["NodeID"]: (n["Resources"].get("CPU", 0.0), n["Resources"].get("object_store_memory", 2**30))
+            for n in ray.nodes() if n["Alive"]}
+
+
+class NodePool:
+    """The prep actors of one node and its staging budget.
+
+    Args:
+        node: The node's id.
+        cpus: The node's CPUs.
+        store_bytes: The node's object store size.
+        spec: The sweep's pool options.
+        cache: The sweep's cache layout and options, handed to the prep actors; None: no cache.
+    """
+
+    def __init__(self, node: str, cpus: float, store_bytes: float, spec: PoolSpec,
+                 cache: tuple[CacheLayout, CacheSpec] | None) -> None:
+        self.node = node
+        self.spec = spec
+        n = spec.actors_for(cpus)
+        self.reserved_cpus = min(spec.cpus_for(cpus), cpus)
+        self.budget_bytes = spec.budget_for(store_bytes)
+        affinity = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+        self.actors: list[Any] = [
+            PrepActor.options(num_cpus=self.reserved_cpus / n, scheduling_strategy=affinity).remote(cache)
+            for _ in range(n)
+        ]
+        logger.info("node %s: prep pool of %d actors reserving %.2f CPUs, staging budget %d bytes",
+                    node, n, self.reserved_cpus, self.budget_bytes)
+
+    async def ready(self) -> None:
+        """Wait until every actor is placed and has imported what it needs.
+
+        Raises:
+            PrepError: The pool did not start within ``start_timeout_s`` or an actor died starting,
+                naming the node, the CPUs asked for and the fix.
+        """
+        try:
+            await asyncio.wait_for(asyncio.gather(*(a.__ray_ready__.remote() for a in self.actors)),
+                                   self.spec.start_timeout_s)
+        except (asyncio.TimeoutError, ray.exceptions.RayError) as e:
+            raise PrepError(
+                f"the prep pool of node {self.node} ({len(self.actors)} actors reserving {self.reserved_cpus:.2f} "
+                f"CPUs) did not start within pool.start_timeout_s={self.spec.start_timeout_s}s: {e!r}; lower "
+                "pool.cpus (0 reserves none) or pool.actors, or free CPUs on that node"
+            ) from None
+
+    def kill(self) -> None:
+        """Kill every actor (no restart); pieces their coordinators own are unaffected."""
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)

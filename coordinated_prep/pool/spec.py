@@ -1,0 +1,103 @@
+"""Configuration of the node-level prep pool and staging budget, and how the budget is split."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from coordinated_prep.cache.spec import parse_bytes
+from coordinated_prep.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """The prep resources of every node of a sweep, shared by all the data groups on that node.
+
+    Each node runs one pool of prep actors for the whole sweep (started before the first trial, so
+    the first batch does not wait for processes to import torch) and one staging budget in its
+    object store, split evenly among the data groups that have trials there. Sweeping a DataSpec
+    field over k values therefore costs no more prep processes or object-store bytes than one group.
+
+    Args:
+        actors: Prep actors per node; ``None`` starts one per CPU of the node (each is single-threaded).
+        cpus: Logical CPUs the pool reserves per node from Ray's scheduler (spread over its actors), so
+            that Tune does not place trials on them; ``None`` reserves half the node's CPUs. ``0``
+            reserves none (the actors then compete with the trials, unseen by the scheduler).
+        staging_fraction: The node's staging budget as a fraction of its object store.
+        staging_bytes: The node's staging budget in bytes (an integer or e.g. ``"512MiB"``);
+            overrides ``staging_fraction``.
+        start_timeout_s: Longest wait for a node's pool to start (placed and imported) before the
+            sweep fails with an error naming the node.
+    """
+
+    actors: int | None = None
+    cpus: float | None = None
+    staging_fraction: float = 0.25
+    staging_bytes: int | str | None = None
+    start_timeout_s: float = 180.0
+
+    def __post_init__(self) -> None:
+        if self.actors is not None and (not isinstance(self.actors, int) or isinstance(self.actors, bool)
+                                        or self.actors < 1):
+            raise ConfigError(f"pool.actors={self.actors!r} must be an integer >= 1 (or unset: one per CPU)")
+        if self.cpus is not None and (not isinstance(self.cpus, (int, float)) or isinstance(self.cpus, bool)
+                                      or self.cpus < 0):
+            raise ConfigError(f"pool.cpus={self.cpus!r} must be a number >= 0 (or unset: half the node's CPUs)")
+        if not isinstance(self.staging_fraction, (int, float)) or not 0.0 < self.staging_fraction <= 0.9:
+            raise ConfigError(f"pool.staging_fraction={self.staging_fraction!r} must be in (0, 0.9]")
+        if self.staging_bytes is not None:
+            object.__setattr__(self, "staging_bytes", parse_bytes(self.staging_bytes, "pool.staging_bytes"))
+        if not isinstance(self.start_timeout_s, (int, float)) or self.start_timeout_s <= 0:
+            raise ConfigError(f"pool.start_timeout_s={self.start_timeout_s!r} must be a positive number of seconds")
+
+    def actors_for(self, node_cpus: float) -> int:
+        """Prep actors on a node with ``node_cpus`` CPUs."""
+        return self.actors or max(1, int(node_cpus))
+
+    def cpus_for(self, node_cpus: float) -> float:
+        """Logical CPUs the pool reserves on a node with ``node_cpus`` CPUs."""
+        return node_cpus / 2 if self.cpus is None else float(self.cpus)
+
+    def budget_for(self, store_bytes: float) -> int:
+        """The node's staging budget, for an object store of ``store_bytes``."""
+        return int(self.staging_bytes) if self.staging_bytes is not None else int(store_bytes * self.staging_fraction)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], where: str = "pool") -> "PoolSpec":
+        """Build from a plain mapping (YAML), rejecting unknown keys by name."""
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{where} must be a mapping such as {{actors: 2, cpus: 1}}, got {values!r}")
+        allowed = ["actors", "cpus", "staging_fraction", "staging_bytes", "start_timeout_s"]
+        unknown = sorted(set(values) - set(allowed))
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed keys are {allowed}")
+        return cls(**values)
+
+
+def split_budget(total: int, caps: Mapping[str, int | None]) -> dict[str, int]:
+    """Split a node's staging budget among its data groups: equal shares, water-filled.
+
+    A group whose own cap (``DataSpec.staging_bytes``) is below its equal share gets its cap, and
+    what it leaves is shared by the others. The shares never add up to more than ``total``.
+
+    Args:
+        total: The node's budget in bytes.
+        caps: Per group key, its cap in bytes or None for none.
+
+    Returns:
+        Per group key, its budget in bytes (at least 1).
+    """
+    shares: dict[str, int] = {}
+    left, open_groups = total, dict(caps)
+    while open_groups:
+        equal = left // len(open_groups)
+        capped = {k: c for k, c in open_groups.items() if c is not None and c <= equal}
+        if not capped:
+            for k in open_groups:
+                shares[k] = max(1, equal)
+            break
+        for k, c in capped.items():
+            shares[k] = max(1, c)  # type: ignore[arg-type]
+            left -= c  # type: ignore[operator]
+            del open_groups[k]
+    return shares
