@@ -17,9 +17,9 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from coordinated_prep.cache.actor import RawCache
 from coordinated_prep.cache.layout import CacheLayout
 from coordinated_prep.cache.spec import CacheSpec
+from coordinated_prep.cache.start import start_caches
 from coordinated_prep.coordinator import Coordinator, node_resources
 from coordinated_prep.naming import NAMESPACE
 from coordinated_prep.spec import DataSpec
@@ -58,6 +58,7 @@ class GroupRegistry:
         self._cache_spec = cache
         self._layout: CacheLayout | None = None
         self._caches: dict[str, Any] = {}
+        self._cache_start: asyncio.Future | None = None  # start_caches, once
         self._groups: dict[str, _Group] = {}
         self._trial_group: dict[str, str] = {}
         self._finished: dict[str, dict[str, Any]] = {}
@@ -70,13 +71,14 @@ class GroupRegistry:
         key = f"{spec.group_key}@{node[:12]}"
         if self._trial_group.get(trial, key) != key:  # the trial changed its data spec (e.g. PBT) or node
             await self.trial_done(trial)
+        caches = await self._ensure_caches()  # awaited before the lookup: none between it and the insert
         group = self._groups.get(key)
         if group is None:
             name = f"coordprep-{self.session}-{spec.group_key}-{node[:8]}-{next(self._incarnation)}"
             actor = Coordinator.options(
                 name=name, namespace=NAMESPACE,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-            ).remote(spec, name, self._ensure_caches())
+            ).remote(spec, name, caches)
             group = self._groups[key] = _Group(spec, actor)
             logger.info("data group %s: started %s on node %s", spec.group_key, name, node)
         group.trials.add(trial)
@@ -141,22 +143,16 @@ class GroupRegistry:
             ray.kill(actor)
         self._caches.clear()
 
-    def _ensure_caches(self) -> tuple[CacheLayout, CacheSpec] | None:
-        """Start a cache actor on every live node (once, when the first group starts); the layout."""
+    async def _ensure_caches(self) -> tuple[CacheLayout, CacheSpec] | None:
+        """Start a cache on every live node (once, when the first group starts) and wait until each has
+        reserved its memory; the layout. Raises CacheError (to every joining trial) if one cannot."""
         if self._cache_spec is None:
             return None
-        if self._layout is None:
+        if self._cache_start is None:  # concurrent first joins all wait for this one start
             nodes = tuple(sorted(n["NodeID"] for n in ray.nodes() if n["Alive"]))
             self._layout = CacheLayout(self.session, nodes, self._cache_spec.seed, self._cache_spec.partitioned)
-            for node in nodes:
-                name = self._layout.actor_name(node)
-                self._caches[node] = RawCache.options(
-                    name=name, namespace=NAMESPACE,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-                ).remote(self._cache_spec, node, name)
-            logger.info("node caches started on %d node(s), %d bytes each (%s)", len(nodes),
-                        self._cache_spec.capacity_bytes,
-                        "partitioned" if self._cache_spec.partitioned else "each its own")
+            self._cache_start = asyncio.ensure_future(start_caches(self._cache_spec, self._layout))
+        self._caches = await asyncio.shield(self._cache_start)
         return self._layout, self._cache_spec
 
 
