@@ -27,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     analyze.add_argument("--cores", type=int, help="CPU cores for preparation (default: this machine's)")
     analyze.add_argument("--step-ms", type=float, help="time a simulated accelerator step of this many ms per "
                                                        "batch instead of the trainable's model")
+    analyze.add_argument("--disk-probe-dir", metavar="DIR",
+                         help="measure the disk with a 128 MiB scratch file written (and removed) in DIR, a "
+                              "directory outside the dataset on its filesystem; by default the dataset's own "
+                              "largest files are read, and nothing is written")
     bench = sub.add_parser("bench", help="benchmark coordinated prep against a DataLoader and DALI per trial, "
                                          "and raw image files against Parquet record files")
     bench.add_argument("experiment", nargs="?", default="experiments/bench.yaml",
@@ -78,7 +82,8 @@ def _analyze(args: argparse.Namespace) -> int:
     cfg = load_sweep(args.experiment)
     if args.cores is not None and args.cores < 1:
         raise ConfigError(f"analyze: --cores={args.cores} must be at least 1")
-    report = analyze(cfg, samples=args.samples, cores=args.cores, step_ms=args.step_ms)
+    report = analyze(cfg, samples=args.samples, cores=args.cores, step_ms=args.step_ms,
+                     disk_probe_dir=args.disk_probe_dir)
     out = args.out or os.path.join(cfg.storage_path, cfg.name, "analysis")
     paths = write_report(report, out)
     sys.stdout.write(format_report(report) + f"\n\nWritten: {paths['json']} and {paths['png']}\n")
