@@ -6,7 +6,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from coordinated_prep.cache.spec import CacheSpec
-from coordinated_prep.errors import ConfigError, CoordinatedPrepError, DatasetError, PrepError, SampleError
+from coordinated_prep.errors import CacheError, ConfigError, CoordinatedPrepError, DatasetError, PrepError, SampleError
 from coordinated_prep.spec import DataSpec, PipelineSpec
 
 if TYPE_CHECKING:
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Batch",
+    "CacheError",
     "CacheSpec",
     "ConfigError",
     "CoordinatedPrepError",

@@ -1,4 +1,4 @@
-"""The ``coordprep`` command: ``coordprep sweep|analyze|bench <experiment.yaml>`` and ``coordprep convert``."""
+"""The ``coordprep`` command: ``coordprep sweep|analyze|bench <experiment.yaml>``, ``convert`` and ``clean``."""
 
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     analyze.add_argument("--cores", type=int, help="CPU cores for preparation (default: this machine's)")
     analyze.add_argument("--step-ms", type=float, help="time a simulated accelerator step of this many ms per "
                                                        "batch instead of the trainable's model")
+    analyze.add_argument("--disk-probe-dir", metavar="DIR",
+                         help="measure the disk with a 128 MiB scratch file written (and removed) in DIR, a "
+                              "directory outside the dataset on its filesystem; by default the dataset's own "
+                              "largest files are read, and nothing is written")
     bench = sub.add_parser("bench", help="benchmark coordinated prep against a DataLoader and DALI per trial, "
                                          "and raw image files against Parquet record files")
     bench.add_argument("experiment", nargs="?", default="experiments/bench.yaml",
@@ -41,9 +45,11 @@ def main(argv: list[str] | None = None) -> int:
                          help="samples per row group, the unit one random read fetches (default 16)")
     convert.add_argument("--overwrite", action="store_true",
                          help="replace a Parquet dataset converted into OUT before (only its own files are removed)")
+    sub.add_parser("clean", help="delete the node-cache memory (arena files in /dev/shm and the temporary "
+                                 "directory) that killed or crashed sweeps left on this machine")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    commands = {"sweep": _sweep, "analyze": _analyze, "bench": _bench, "convert": _convert}
+    commands = {"sweep": _sweep, "analyze": _analyze, "bench": _bench, "convert": _convert, "clean": _clean}
     try:
         return commands[args.command](args)
     except CoordinatedPrepError as e:
@@ -76,7 +82,8 @@ def _analyze(args: argparse.Namespace) -> int:
     cfg = load_sweep(args.experiment)
     if args.cores is not None and args.cores < 1:
         raise ConfigError(f"analyze: --cores={args.cores} must be at least 1")
-    report = analyze(cfg, samples=args.samples, cores=args.cores, step_ms=args.step_ms)
+    report = analyze(cfg, samples=args.samples, cores=args.cores, step_ms=args.step_ms,
+                     disk_probe_dir=args.disk_probe_dir)
     out = args.out or os.path.join(cfg.storage_path, cfg.name, "analysis")
     paths = write_report(report, out)
     sys.stdout.write(format_report(report) + f"\n\nWritten: {paths['json']} and {paths['png']}\n")
@@ -125,6 +132,17 @@ def _convert(args: argparse.Namespace) -> int:
     sys.stdout.write(f"{result.out}: {len(result.shards)} shards, {result.samples} samples, "
                      f"{result.file_bytes / 2**20:.1f} MiB ({result.image_bytes / 2**20:.1f} MiB of images), "
                      f"{result.seconds:.1f} s\n")
+    return 0
+
+
+def _clean(args: argparse.Namespace) -> int:
+    from coordinated_prep.cache.arena import arena_dirs, remove_stale
+
+    removed = remove_stale()  # only arenas whose owner is gone: a live sweep's are left alone
+    for path, size in removed.items():
+        sys.stdout.write(f"removed {path} ({size / 2**20:.1f} MiB)\n")
+    sys.stdout.write(f"{len(removed)} arena file(s) removed, {sum(removed.values()) / 2**20:.1f} MiB freed, in "
+                     f"{' and '.join(arena_dirs())}; arenas of running sweeps were left alone\n")
     return 0
 
 

@@ -15,6 +15,11 @@ class DatasetError(CoordinatedPrepError):
     """A dataset cannot be used: missing path, no classes, no images, unreadable files."""
 
 
+class CacheError(CoordinatedPrepError):
+    """The node cache cannot be used: it cannot start (its arena cannot be reserved), or a file that
+    claims to be its arena is not the one it created."""
+
+
 class SampleError(CoordinatedPrepError):
     """One sample could not be read or decoded; names the sample index and its file."""
 

@@ -18,9 +18,9 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from coordinated_prep.cache.actor import RawCache
 from coordinated_prep.cache.layout import CacheLayout
 from coordinated_prep.cache.spec import CacheSpec
+from coordinated_prep.cache.start import start_caches
 from coordinated_prep.coordinator import Coordinator
 from coordinated_prep.errors import PrepError
 from coordinated_prep.naming import NAMESPACE
@@ -68,6 +68,7 @@ class GroupRegistry:
         self._pool_spec = pool or PoolSpec()
         self._layout: CacheLayout | None = None
         self._caches: dict[str, Any] = {}
+        self._cache_start: asyncio.Future | None = None  # start_caches, once
         self._pools: dict[str, NodePool] = {}
         self._starting: dict[str, asyncio.Task] = {}
         self._groups: dict[str, _Group] = {}
@@ -198,7 +199,7 @@ class GroupRegistry:
 
     async def _start_pool(self, node: str) -> NodePool:
         cpus, store = node_table().get(node, (1.0, float(2**30)))
-        pool = NodePool(node, cpus, store, self._pool_spec, self._ensure_caches())
+        pool = NodePool(node, cpus, store, self._pool_spec, await self._ensure_caches())
         try:
             await pool.ready()
         except PrepError:
@@ -235,22 +236,16 @@ class GroupRegistry:
         ray.kill(group.actor)
         logger.info("data group %s: last trial left; coordinator destroyed", key)
 
-    def _ensure_caches(self) -> tuple[CacheLayout, CacheSpec] | None:
-        """Start a cache actor on every live node (once, when the first pool starts); the layout."""
+    async def _ensure_caches(self) -> tuple[CacheLayout, CacheSpec] | None:
+        """Start a cache on every live node (once, when the first pool starts) and wait until each has
+        reserved its memory; the layout. Raises CacheError (at sweep start, in the driver) if one cannot."""
         if self._cache_spec is None:
             return None
-        if self._layout is None:
+        if self._cache_start is None:  # concurrent first joins all wait for this one start
             nodes = tuple(sorted(node_table()))
             self._layout = CacheLayout(self.session, nodes, self._cache_spec.seed, self._cache_spec.partitioned)
-            for node in nodes:
-                name = self._layout.actor_name(node)
-                self._caches[node] = RawCache.options(
-                    name=name, namespace=NAMESPACE,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-                ).remote(self._cache_spec, node, name)
-            logger.info("node caches started on %d node(s), %d bytes each (%s)", len(nodes),
-                        self._cache_spec.capacity_bytes,
-                        "partitioned" if self._cache_spec.partitioned else "each its own")
+            self._cache_start = asyncio.ensure_future(start_caches(self._cache_spec, self._layout))
+        self._caches = await asyncio.shield(self._cache_start)
         return self._layout, self._cache_spec
 
 

@@ -173,11 +173,7 @@ class CoordinatedSearcher(SearchAlgorithm):
         """Destroy every data group and the registry (idempotent; call after the sweep)."""
         if self._registry is None:
             return
-        try:
-            ray.get(self._registry.shutdown.remote(), timeout=_CALL_TIMEOUT_S)
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
-            logger.warning("coordinated_prep: registry %s did not shut down cleanly: %s", registry_name(self.session), e)
-        ray.kill(self._registry)
+        _destroy(self._registry)
         self._registry = None
 
     def _ensure_registry(self) -> None:
@@ -190,6 +186,19 @@ class CoordinatedSearcher(SearchAlgorithm):
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
         ).remote(self.session, self._cache, self._pool)
         # Blocking on purpose: the pools must hold their CPUs before Tune places trials on them.
-        pools = ray.get(registry.start.remote(), timeout=self._pool.start_timeout_s + _CALL_TIMEOUT_S)
+        try:
+            pools = ray.get(registry.start.remote(), timeout=self._pool.start_timeout_s + _CALL_TIMEOUT_S)
+        except Exception:
+            _destroy(registry)  # nothing is left behind by a sweep that cannot start
+            raise
         self._registry = registry
         logger.info("coordinated_prep: prep pools ready on %d node(s): %s", len(pools), pools)
+
+
+def _destroy(registry: Any) -> None:
+    """Shut a registry down (its groups, pools and caches), then kill it."""
+    try:
+        ray.get(registry.shutdown.remote(), timeout=_CALL_TIMEOUT_S)
+    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+        logger.warning("coordinated_prep: a registry did not shut down cleanly: %s", e)
+    ray.kill(registry)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import textwrap
 
 import pytest
@@ -11,7 +13,7 @@ from coordinated_prep.cli import main
 
 FIELDS = {"experiment", "trainable", "dataset", "config", "batch_size", "cores", "samples_measured",
           "samples_per_epoch", "step", "bandwidth", "per_sample", "rates", "runs", "stalls_per_epoch", "whatif",
-          "created", "files"}
+          "created", "files", "disk_measured_on"}
 
 
 def _experiment(tmp_path, dataset: str, trainable: str = "small_cnn") -> str:
@@ -73,3 +75,38 @@ def test_a_trainable_without_a_model_needs_step_ms(small_dataset, tmp_path, caps
 def test_bad_arguments_are_named(small_dataset, tmp_path, capsys, args, named):
     assert main(["analyze", _experiment(tmp_path, small_dataset), *args]) == 2
     assert named in capsys.readouterr().err
+
+
+def _snapshot(root: str) -> dict[str, tuple]:
+    """Every entry under ``root`` (the root included): kind, size, mtime and, for files, a digest of the bytes."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [".", *dirnames, *filenames]:
+            path = os.path.normpath(os.path.join(dirpath, name))
+            st = os.lstat(path)
+            digest = hashlib.sha256(open(path, "rb").read()).hexdigest() if os.path.isfile(path) else None
+            out[os.path.relpath(path, root)] = (st.st_mode, st.st_size, st.st_mtime_ns, digest)
+    return out
+
+
+def test_analyze_leaves_the_dataset_directory_byte_for_byte_unchanged(small_dataset, tmp_path, capsys):
+    before = _snapshot(small_dataset)
+    assert main(["analyze", _experiment(tmp_path, small_dataset), "--samples", "32", "--step-ms", "1"]) == 0
+    assert _snapshot(small_dataset) == before
+    report = json.loads((tmp_path / "runs" / "probe" / "analysis" / "analysis.json").read_text())
+    assert report["disk_measured_on"].startswith("the dataset's own files")
+    assert report["bandwidth"]["disk_sequential_bytes_s"] > 0
+
+
+def test_a_disk_probe_is_written_only_where_the_user_says_and_never_in_the_dataset(small_dataset, tmp_path, capsys):
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    before = _snapshot(small_dataset)
+    exp = _experiment(tmp_path, small_dataset)
+    inside = os.path.join(small_dataset, os.listdir(small_dataset)[0])
+    assert main(["analyze", exp, "--samples", "32", "--step-ms", "1", "--disk-probe-dir", inside]) == 2
+    assert "lies inside the dataset" in capsys.readouterr().err
+    assert main(["analyze", exp, "--samples", "32", "--step-ms", "1", "--disk-probe-dir", str(probe)]) == 0
+    assert _snapshot(small_dataset) == before and not os.listdir(probe)  # the scratch file was removed
+    report = json.loads((tmp_path / "runs" / "probe" / "analysis" / "analysis.json").read_text())
+    assert report["disk_measured_on"] == f"a scratch file in {probe}"

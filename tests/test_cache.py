@@ -35,7 +35,7 @@ def test_minio_hit_rate_is_the_cached_fraction_while_lru_of_the_same_size_falls_
     cache = RawCache.remote(CacheSpec(capacity), node, "coordprep-test-cache")
     plan = StreamPlan(np.arange(n), seed=0, chunk_size=16, segments=4)
     lru = LruPolicy(capacity)
-    arena = ArenaReader(ray.get(cache.arena_path.remote()))  # what a prep actor on the node maps
+    arena = ArenaReader(ray.get(cache.arena_id.remote()))  # what a prep actor on the node maps
     minio_rates, lru_rates, got, own_reads = [], [], {}, 0
     with FileOpens(small_dataset) as opens:
         for epoch in range(EPOCHS):

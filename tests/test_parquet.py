@@ -138,6 +138,53 @@ def test_errors_name_the_manifest_shard_and_fix(shapes_root, tmp_path):
         open_source(str(out))
 
 
+def _with_field(out, manifest, field, value) -> None:
+    """Write ``manifest`` with ``field`` (``rows``, or ``shards.0.file`` for the first shard's file) set to ``value``."""
+    manifest = json.loads(json.dumps(manifest))
+    if field.startswith("shards."):
+        _, k, key = field.split(".")
+        manifest["shards"][int(k)][key] = value
+    else:
+        manifest[field] = value
+    (out / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("shards.0.file", "../outside.parquet", r"shards\[0\]\.file='\.\./outside\.parquet' leaves the dataset directory"),
+    ("shards.0.file", "sub/../../outside.parquet", r"shards\[0\]\.file=.* leaves the dataset directory"),
+    ("shards.0.file", "/etc/passwd", r"shards\[0\]\.file='/etc/passwd' is an absolute path"),
+    ("shards.0.file", 7, r"shards\[0\]\.file=7 must be a file name"),
+    ("shards.1.file", "part-00000.parquet", r"shards\[1\]\.file='part-00000\.parquet' names a shard listed before"),
+    ("rows", "lots", r"rows='lots' must be an integer >= 0"),
+    ("rows", 1.5, r"rows=1\.5 must be an integer >= 0"),
+    ("shards.0.rows", "64", r"shards\[0\]\.rows='64' must be an integer >= 0"),
+    ("shards.0.rows", -1, r"shards\[0\]\.rows=-1 must be an integer >= 0"),
+    ("row_group_size", True, r"row_group_size=True must be an integer >= 1"),
+    ("row_group_size", 0, r"row_group_size=0 must be an integer >= 1"),
+    ("classes", [1, 2], r"classes=\[1, 2\] must be a non-empty list of class names"),
+    ("shards", {"file": "x"}, r"shards=\{'file': 'x'\} must be a list"),
+])
+def test_a_manifest_field_that_cannot_be_trusted_is_a_dataset_error_naming_file_field_and_value(
+        shapes_root, tmp_path, field, value, named):
+    out = tmp_path / "pq"
+    convert_imagefolder(shapes_root, str(out), shard_size=64, row_group_size=8)
+    manifest = json.loads((out / MANIFEST).read_text())
+    (tmp_path / "outside.parquet").write_bytes((out / "part-00000.parquet").read_bytes())  # a valid shard, outside
+    _with_field(out, manifest, field, value)
+    with pytest.raises(DatasetError, match=named) as e:
+        open_source.__wrapped__(str(out))
+    assert str(out / MANIFEST) in str(e.value) and "--overwrite" in str(e.value)
+
+
+def test_a_shard_symlinked_out_of_the_dataset_directory_is_refused(shapes_root, tmp_path):
+    out = tmp_path / "pq"
+    convert_imagefolder(shapes_root, str(out), shard_size=64, row_group_size=8)
+    (out / "part-00000.parquet").rename(tmp_path / "elsewhere.parquet")
+    (out / "part-00000.parquet").symlink_to(tmp_path / "elsewhere.parquet")
+    with pytest.raises(DatasetError, match=r"shards\[0\]\.file='part-00000\.parquet' resolves to .*outside"):
+        ParquetSource(str(out))
+
+
 def test_a_shard_broken_after_opening_is_a_sample_error_naming_index_and_shard(shapes_root, tmp_path):
     out = convert_imagefolder(shapes_root, str(tmp_path / "pq"), shard_size=64, row_group_size=8).out
     source = ParquetSource(out)  # shards are opened on first read, not here

@@ -3,12 +3,15 @@
 Everything here runs in the calling process (and, for the end-to-end runs, in the worker processes
 of a ``torch.utils.data.DataLoader``, the loader a user would otherwise pick); nothing needs Ray or
 root. A cold page cache is made with ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the dataset's own
-files, which drops their clean cached pages for every process.
+files, which drops their clean cached pages for every process. Nothing is written into the dataset:
+the disk's bandwidth is measured by reading the dataset's own files, or, only in a directory the user
+names, with a scratch file.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -41,15 +44,47 @@ def evict(paths: Iterable[str]) -> int:
     return done
 
 
+def files_bandwidth(paths: Sequence[str], nbytes: int = 128 * 2**20, seed: int = 0) -> tuple[float, int]:
+    """Cold read bandwidth (bytes/s) of the dataset's own files, and the bytes read; nothing is written.
+
+    Reads whole files, the largest first among a fixed random sample of at most 4,096 (so that a
+    dataset of millions of files costs no more stats than that), until about ``nbytes``, after
+    evicting them from the page cache. With large files (Parquet shards, big images) this is the
+    disk's sequential bandwidth; with small ones it includes the cost of opening each file, as a
+    reader of those files would pay.
+    """
+    sample = sample_ids(np.arange(len(paths)), 4096, seed)
+    sized = sorted(((os.path.getsize(paths[i]), paths[i]) for i in sample), reverse=True)
+    chosen: list[str] = []
+    total = 0
+    for size, path in sized:
+        if total >= nbytes:
+            break
+        chosen.append(path)
+        total += size
+    chosen.sort()  # in directory order, as a sequential pass reads them
+    evict(chosen)
+    t0 = time.perf_counter()
+    read = 0
+    for path in chosen:
+        with open(path, "rb", buffering=0) as f:
+            while chunk := f.read(_BLOCK):
+                read += len(chunk)
+    return read / max(time.perf_counter() - t0, 1e-9), read
+
+
 def disk_bandwidth(directory: str, nbytes: int = 128 * 2**20) -> float:
     """Sequential read bandwidth (bytes/s) of the disk holding ``directory``, with a cold cache.
 
-    Writes a scratch file of ``nbytes`` there, flushes it, evicts it, reads it back, and removes it.
+    Writes a private scratch file of ``nbytes`` there (a new file under a random name: never one
+    that exists, never through a symlink), flushes it, evicts it, reads it back, and removes it.
+    Only for a directory the user named (``--disk-probe-dir``).
     """
-    path = os.path.join(directory, f".coordprep-disk-probe-{os.getpid()}")
+    path = os.path.join(directory, f".coordprep-disk-probe-{secrets.token_hex(8)}")
     block = np.random.default_rng(0).integers(0, 256, _BLOCK, dtype=np.uint8).tobytes()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        with open(path, "wb") as f:
+        with open(fd, "wb") as f:
             for _ in range(max(1, nbytes // _BLOCK)):
                 f.write(block)
             f.flush()
@@ -62,8 +97,7 @@ def disk_bandwidth(directory: str, nbytes: int = 128 * 2**20) -> float:
                 read += len(chunk)
         return read / (time.perf_counter() - t0)
     finally:
-        if os.path.exists(path):
-            os.remove(path)
+        os.remove(path)
 
 
 def memory_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 3) -> float:

@@ -20,7 +20,8 @@ def format_report(r: Mapping[str, Any]) -> str:
         f"Analysis of {r['experiment']}: {r['trainable']} on {r['dataset']} "
         f"(batch {r['batch_size']}, step: {r['step']}, {r['cores']} cores, {r['samples_measured']} samples measured)",
         "",
-        f"Bandwidth: disk {_mb(bw['disk_sequential_bytes_s'])} sequential, dataset files cold "
+        f"Bandwidth: disk {_mb(bw['disk_sequential_bytes_s'])} sequential (read from {r.get('disk_measured_on', 'a scratch file')}), "
+        f"dataset files cold "
         f"{_mb(bw['dataset_cold_read_bytes_s'])}, page cache {_mb(bw['page_cache_read_bytes_s'])}, "
         f"memory copy {_mb(bw['memory_copy_bytes_s'])}",
         f"Per sample: {ps['encoded_bytes'] / 1024:.1f} KiB encoded; read {ps['read_warm_s'] * 1e3:.3f} ms warm, "

@@ -55,7 +55,7 @@ def representative_config(cfg: SweepConfig) -> dict[str, Any]:
 
 
 def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, step_ms: float | None = None,
-            disk_probe_bytes: int = 128 * 2**20) -> dict[str, Any]:
+            disk_probe_bytes: int = 128 * 2**20, disk_probe_dir: str | None = None) -> dict[str, Any]:
     """Run the analysis of ``cfg``; returns the report (see :func:`write_report` for the files).
 
     Args:
@@ -64,10 +64,15 @@ def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, s
         cores: CPU cores available for preparation (default: this machine's).
         step_ms: Replace the trainable's step with a simulated accelerator taking this long per
             batch without using the CPU; required for trainables without a registered model.
-        disk_probe_bytes: Size of the scratch file for the sequential disk bandwidth.
+        disk_probe_bytes: Bytes read (of the dataset's files, or of the scratch file) for the disk's
+            sequential bandwidth.
+        disk_probe_dir: Measure the disk with a scratch file written (and removed) in this directory,
+            which must lie outside the dataset (and should be on its filesystem). Default: read the
+            dataset's own largest files; nothing is written anywhere near the dataset.
 
     Raises:
-        ConfigError: A trainable without a model and no ``step_ms``, or bad arguments.
+        ConfigError: A trainable without a model and no ``step_ms``, a ``disk_probe_dir`` that is
+            missing, not writable or inside the dataset, or bad arguments.
     """
     if samples < 2:
         raise ConfigError(f"analyze: --samples={samples} must be at least 2")
@@ -85,8 +90,13 @@ def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, s
     ids = measure.sample_ids(train_ids, samples, spec.seed)
     size = spec.pipeline.size  # type: ignore[union-attr]
     logger.info("analyze: measuring bandwidths")
-    scratch = os.path.dirname(os.path.abspath(paths[0]))
-    disk_seq = measure.disk_bandwidth(scratch if os.access(scratch, os.W_OK) else os.getcwd(), disk_probe_bytes)
+    if disk_probe_dir is None:
+        disk_seq, nbytes = measure.files_bandwidth(paths, disk_probe_bytes, spec.seed)
+        disk_on = f"the dataset's own files ({nbytes / 2**20:.0f} MiB read)"
+    else:
+        _check_probe_dir(disk_probe_dir, source.root)
+        disk_seq = measure.disk_bandwidth(disk_probe_dir, disk_probe_bytes)
+        disk_on = f"a scratch file in {disk_probe_dir}"
     memory = measure.memory_bandwidth()
     logger.info("analyze: measuring per-sample costs on %d samples", len(ids))
     reads = measure.read_costs(source, paths, ids)
@@ -106,7 +116,7 @@ def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, s
     report = {
         "experiment": cfg.path, "trainable": cfg.trainable, "dataset": spec.dataset,
         "config": measure.describe_config(config), "batch_size": batch_size, "cores": cores,
-        "samples_measured": n, "samples_per_epoch": epoch, "step": f"simulated {step_ms} ms" if step_ms else "model",
+        "samples_measured": n, "samples_per_epoch": epoch, "disk_measured_on": disk_on, "step": f"simulated {step_ms} ms" if step_ms else "model",
         "bandwidth": {"disk_sequential_bytes_s": disk_seq, "dataset_cold_read_bytes_s": reads["bytes"] / max(reads["cold_s"], 1e-9),
                       "page_cache_read_bytes_s": reads["bytes"] / max(reads["warm_s"], 1e-9),
                       "memory_copy_bytes_s": memory},
@@ -129,6 +139,19 @@ def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, s
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     return report
+
+
+def _check_probe_dir(directory: str, dataset_root: str) -> None:
+    """A scratch-file directory the user named: it exists, is writable, and is not in the dataset."""
+    real, root = os.path.realpath(directory), os.path.realpath(dataset_root)
+    if not os.path.isdir(real) or not os.access(real, os.W_OK):
+        raise ConfigError(f"analyze: --disk-probe-dir={directory!r} is not a writable directory")
+    if os.path.commonpath([real, root]) == root:
+        raise ConfigError(f"analyze: --disk-probe-dir={directory!r} lies inside the dataset {dataset_root}; choose a "
+                          "directory outside it on the same filesystem (or leave it out to read the dataset's files)")
+    if os.stat(real).st_dev != os.stat(root).st_dev:
+        logger.warning("analyze: --disk-probe-dir=%s is on another filesystem than the dataset %s; the disk "
+                       "bandwidth measured is that filesystem's", directory, dataset_root)
 
 
 def _row(p: Any) -> dict[str, Any]:

@@ -6,9 +6,10 @@ prep actors, groups or nodes ask at once) and, while the capacity lasts, appends
 the node's arena (:mod:`coordinated_prep.cache.arena`), where they stay for the rest of the sweep.
 A reader on the same node gets (offset, length) and slices its own read-only mapping of the arena,
 zero-copy; a reader on another node gets the bytes in the reply, through Ray. The cache actor owns
-the arena: the registry creates the actor when the sweep's first group starts and calls ``clear``
-(which deletes the arena) before destroying it. If the actor's node leaves, the arena goes with it
-and readers go back to storage.
+the arena: the registry starts the actors when the sweep's first group starts
+(:func:`coordinated_prep.cache.start.start_caches`, which waits until each has reserved its arena)
+and calls ``clear`` (which deletes the arena) before destroying them. If the actor's node leaves,
+the arena goes with it and readers go back to storage.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ import numpy as np
 import ray
 
 from coordinated_prep import metrics
-from coordinated_prep.cache.arena import Arena
+from coordinated_prep.cache.arena import Arena, ArenaId
 from coordinated_prep.cache.policy import MinioPolicy
 from coordinated_prep.cache.spec import CacheSpec
-from coordinated_prep.errors import SampleError
+from coordinated_prep.errors import CacheError, SampleError
 from coordinated_prep.sources import open_source
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,10 @@ class RawCache:
     Args:
         spec: Capacity and reading options.
         node: Id of the node it runs on (it is created with hard node affinity).
-        name: Its actor name: also the arena's file name.
+        name: Its actor name: also the start of the arena's file name.
+
+    An arena that cannot be reserved does not fail the constructor (Ray would report a bare
+    ``ActorDiedError``): :meth:`ready` returns the reason, and the other calls raise it.
     """
 
     def __init__(self, spec: CacheSpec, node: str, name: str) -> None:
@@ -81,7 +85,11 @@ class RawCache:
         self.node = node
         self.name = name
         capacity = int(spec.capacity_bytes)
-        self.arena = Arena(name, capacity)  # reserves the capacity now, or fails here with the fix
+        self.error: str | None = None
+        try:
+            self.arena: Arena | None = Arena(name, capacity)  # reserves the capacity now
+        except CacheError as e:
+            self.arena, self.error = None, str(e)
         self.policy = MinioPolicy(capacity)
         self.regions: dict[tuple[str, int], tuple[int, int]] = {}
         self.cached: collections.Counter[str] = collections.Counter()  # samples cached per dataset
@@ -92,12 +100,17 @@ class RawCache:
         self.tags = {"node": node[:16]}
         metrics.set_gauge("cache_capacity_bytes", capacity, **self.tags)
 
-    async def arena_path(self) -> str:
-        """The arena's file, for readers on this node to map."""
-        return self.arena.path
+    async def ready(self) -> str | None:
+        """None once the arena is reserved; else why it could not be (the cache is unusable)."""
+        return self.error
+
+    async def arena_id(self) -> ArenaId:
+        """The arena's file and identity, for readers on this node to map and check."""
+        return self._arena().id
 
     async def lookup(self, dataset: str, indices: list[int], caller: str) -> Reply:
         """One answer per index of ``dataset``, in order, for a reader on node ``caller``."""
+        self._arena()
         tally: collections.Counter[str] = collections.Counter()  # this call's events (calls overlap)
         local = caller == self.node
         answers: list[Any] = []
@@ -141,7 +154,8 @@ class RawCache:
     async def clear(self) -> None:
         """Delete the arena and stop reading (the registry calls it at the end of the sweep)."""
         self.pool.shutdown(wait=False, cancel_futures=True)
-        self.arena.close()
+        if self.arena is not None:
+            self.arena.close()
         metrics.set_gauge("cache_bytes", 0, **self.tags)
 
     async def _miss(self, dataset: str, index: int, local: bool, tally: collections.Counter[str]) -> Any:
@@ -176,7 +190,7 @@ class RawCache:
                 tally["storage_reads"] += 1
                 tally["storage_bytes"] += len(data)
                 if self.policy.admit(key, len(data)):
-                    result = self.regions[key] = self.arena.append(data)
+                    result = self.regions[key] = self._arena().append(data)
                     self.cached[dataset] += 1
                 else:
                     result = np.frombuffer(data, dtype=np.uint8)
@@ -192,7 +206,12 @@ class RawCache:
     def _answer(self, region: tuple[int, int], local: bool) -> Any:
         if local:
             return Region(*region)
-        return np.frombuffer(self.arena.view(*region), dtype=np.uint8).copy()  # travels in the reply
+        return np.frombuffer(self._arena().view(*region), dtype=np.uint8).copy()  # travels in the reply
+
+    def _arena(self) -> Arena:
+        if self.arena is None:
+            raise CacheError(f"cache on node {self.node}: {self.error}")
+        return self.arena
 
 
 def _read(dataset: str, index: int) -> bytes | SampleError:

@@ -145,8 +145,8 @@ class CachedSource:
     def _arena(self, owner: int) -> ArenaReader:
         """This node's cache arena, mapped on first use."""
         if owner not in self._arenas:
-            path = ray.get(self._handles[owner].arena_path.remote(), timeout=self._timeout)
-            self._arenas[owner] = ArenaReader(path)
+            arena = ray.get(self._handles[owner].arena_id.remote(), timeout=self._timeout)
+            self._arenas[owner] = ArenaReader(arena)  # refuses a file that is not the one the cache created
         return self._arenas[owner]
 
     def _handle(self, owner: int) -> Any:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import threading
@@ -14,19 +13,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from coordinated_prep.errors import DatasetError, SampleError
-from coordinated_prep.sources import PARQUET_MANIFEST
+from coordinated_prep.sources.manifest import CONVERT_HINT as _CONVERT_HINT
+from coordinated_prep.sources.manifest import FORMAT, FORMAT_VERSION, MANIFEST, read_manifest
 
 logger = logging.getLogger(__name__)
 
-#: The manifest's file name; a directory holding it is opened as a Parquet dataset.
-MANIFEST = PARQUET_MANIFEST
-FORMAT = "coordprep-parquet"
-#: Bumped whenever the layout changes in a way older readers would misread.
-FORMAT_VERSION = 1
+__all__ = ["COLUMNS", "FORMAT", "FORMAT_VERSION", "MANIFEST", "SCHEMA", "ParquetSource", "read_manifest"]
+
 #: Columns of every shard: encoded bytes as written by the source, class index, ImageFolder index.
 COLUMNS: tuple[str, ...] = ("image", "label", "index")
 SCHEMA = pa.schema([("image", pa.binary()), ("label", pa.int64()), ("index", pa.int64())])
-_CONVERT_HINT = "re-create it with `coordprep convert <imagefolder> <dir> --overwrite`"
 
 
 class ParquetSource:
@@ -48,8 +44,10 @@ class ParquetSource:
         max_open_files: Shard files kept open at once (least recently used closed first).
 
     Raises:
-        DatasetError: Missing or unreadable manifest, another format version, a missing shard, or a
-            shard whose rows do not match the manifest.
+        DatasetError: Missing or unreadable manifest, another format version, a bad field (a shard
+            path outside ``root``, a count that is not an integer: see
+            :func:`coordinated_prep.sources.manifest.read_manifest`), a missing shard, or a shard
+            whose rows do not match the manifest.
     """
 
     def __init__(self, root: str, cache_row_groups: int = 4, max_open_files: int = 64) -> None:
@@ -150,37 +148,6 @@ class ParquetSource:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._reset_handles()
-
-
-def read_manifest(root: str) -> dict[str, Any]:
-    """The manifest of the Parquet dataset ``root``, checked for format, version and fields.
-
-    Raises:
-        DatasetError: The manifest is missing, not JSON, of another format version, or lacks a field.
-    """
-    path = os.path.join(root, MANIFEST)
-    try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        raise DatasetError(f"dataset {root!r}: no {MANIFEST} manifest, so it is not a Parquet dataset; "
-                           "convert an ImageFolder with `coordprep convert <imagefolder> <dir>`") from None
-    except (OSError, ValueError) as e:
-        raise DatasetError(f"dataset {root!r}: cannot read the manifest {path}: {e}; {_CONVERT_HINT}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise DatasetError(f"dataset {root!r}: {path} is not a {FORMAT} manifest; {_CONVERT_HINT}")
-    if manifest.get("version") != FORMAT_VERSION:
-        raise DatasetError(f"dataset {root!r}: {path} has format version {manifest.get('version')!r}, but this "
-                           f"coordinated_prep reads version {FORMAT_VERSION}; {_CONVERT_HINT}")
-    missing = [k for k in ("classes", "shards", "rows", "row_group_size") if k not in manifest]
-    shards = manifest.get("shards")
-    if missing or not isinstance(shards, list) or not all(isinstance(s, dict) and {"file", "rows"} <= set(s)
-                                                          for s in shards):
-        raise DatasetError(f"dataset {root!r}: {path} lacks {missing or 'well-formed shards entries'}; {_CONVERT_HINT}")
-    if sum(int(s["rows"]) for s in shards) != manifest["rows"]:
-        raise DatasetError(f"dataset {root!r}: {path} says rows={manifest['rows']}, but its shards add up to "
-                           f"{sum(int(s['rows']) for s in shards)}; {_CONVERT_HINT}")
-    return manifest
 
 
 def _load_shard(path: str, rows: int, first: int, num_classes: int) -> tuple[np.ndarray, np.ndarray]:

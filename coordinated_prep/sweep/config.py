@@ -24,7 +24,8 @@ Schema (every key but ``trainable`` and ``search_space`` is optional)::
     ray: {num_cpus: 2, object_store_memory: 1073741824}             # passed to ray.init
     cache: {capacity_bytes: 256MiB, partitioned: true}              # a raw-data cache per node (CacheSpec)
     pool: {actors: 2, cpus: 1, staging_fraction: 0.25}              # each node's prep pool and budget (PoolSpec)
-    # also include_dashboard, dashboard_host, metrics_export_port (Prometheus endpoint of the node)
+    # also include_dashboard, dashboard_host, metrics_export_port (Prometheus endpoint of the node),
+    # node_ip_address (default 127.0.0.1: every port Ray opens listens on loopback only)
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ SCHEDULER_KEYS = {"fifo": ("type",), "asha": ("type", "grace_period", "reduction
 #: What the registered trainables need of their search space: (integer?, lowest value, required?).
 TRAINABLE_KEYS = {"lr": (False, 0.0, True), "batch_size": (True, 1, True), "epochs": (True, 1, True),
                   "width": (True, 1, False)}
-RAY_KEYS = ("num_cpus", "object_store_memory", "include_dashboard", "dashboard_host", "metrics_export_port")
+RAY_KEYS = ("num_cpus", "object_store_memory", "include_dashboard", "dashboard_host", "metrics_export_port",
+            "node_ip_address")
 
 
 @dataclass(frozen=True)

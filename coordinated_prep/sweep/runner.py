@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import Any
+from typing import Any, Iterator, Mapping
 
+from coordinated_prep.cache.arena import remove_stale
 from coordinated_prep.searcher import CoordinatedSearcher
 from coordinated_prep.sweep.config import SweepConfig
 from coordinated_prep.sweep.summary import build_summary, write_summary
 
 logger = logging.getLogger(__name__)
+
+#: The node address a sweep's own single-node Ray instance uses unless ``ray.node_ip_address`` says otherwise.
+LOOPBACK = "127.0.0.1"
 
 
 def run_sweep(cfg: SweepConfig, verbose: int = 1) -> dict[str, Any]:
@@ -18,11 +23,9 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1) -> dict[str, Any]:
     import ray
     from ray import tune
 
+    remove_stale()  # node-cache memory that killed sweeps left on this machine
     if not ray.is_initialized():
-        init = {"dashboard_host": "127.0.0.1", "include_dashboard": False, **cfg.ray}
-        if "metrics_export_port" in init:  # ray.init spells it with a leading underscore
-            init["_metrics_export_port"] = init.pop("metrics_export_port")
-        ray.init(**init)
+        start_ray(cfg.ray)
     # An unshared sweep (data.coordinated: false) has nothing to coordinate: no searcher, no prep pool.
     searcher = (CoordinatedSearcher(max_concurrent=cfg.max_concurrent_trials, cache=cfg.cache, pool=cfg.pool)
                 if cfg.data.coordinated else None)
@@ -50,6 +53,58 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1) -> dict[str, Any]:
     summary = build_summary(trials, groups, cfg.metric, cfg.mode, caches)
     summary["path"] = write_summary(summary, os.path.join(storage, cfg.name))
     return summary
+
+
+def init_kwargs(ray_options: Mapping[str, Any]) -> dict[str, Any]:
+    """``ray.init``'s arguments for the YAML's ``ray`` section: dashboard off and on loopback, and the
+    node's address loopback unless ``node_ip_address`` names another."""
+    init = {"dashboard_host": LOOPBACK, "include_dashboard": False, **ray_options}
+    for key in ("metrics_export_port", "node_ip_address"):  # ray.init spells them with a leading underscore
+        if key in init:
+            init[f"_{key}"] = init.pop(key)
+    init.setdefault("_node_ip_address", LOOPBACK)
+    return init
+
+
+def start_ray(ray_options: Mapping[str, Any]) -> None:
+    """Start the sweep's own single-node Ray instance (or join ``RAY_ADDRESS``'s cluster).
+
+    With a loopback node address, every port Ray opens (GCS, raylets, object manager, the metrics
+    exporter of ``metrics_export_port``) listens on 127.0.0.1 only; with any other address they
+    listen on all interfaces, and Ray's token authentication guards the control plane.
+    """
+    import ray
+
+    if os.environ.get("RAY_ADDRESS"):  # an existing cluster: its nodes' addresses are its own
+        ray.init(**{k: v for k, v in init_kwargs(ray_options).items() if k != "_node_ip_address"})
+        return
+    init = init_kwargs(ray_options)
+    with _loopback_allowed(init["_node_ip_address"]):
+        ray.init(**init)
+    address = ray.util.get_node_ip_address()
+    logger.info("Ray's node address is %s: %s", address, "its ports listen on loopback only"
+                if address == LOOPBACK else "its ports listen on every interface")
+
+
+@contextlib.contextmanager
+def _loopback_allowed(address: str) -> Iterator[None]:
+    """Let Ray keep a loopback node address (it swaps 127.0.0.1 for the host's IP on Linux otherwise).
+
+    Ray (2.x, ``ray._private.services.resolve_ip_for_localhost``) replaces a loopback address with
+    the host's routable one unless ``ray_constants.ENABLE_RAY_CLUSTER`` is false, the setting Ray
+    itself uses on macOS and Windows for the same purpose: a local instance reachable only locally.
+    """
+    from ray._private import ray_constants
+
+    if address != LOOPBACK or not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):
+        yield
+        return
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 def _scheduler(cfg: SweepConfig) -> Any:

@@ -1,0 +1,83 @@
+"""Starting node caches with Ray: an impossible capacity stops the sweep at start; a killed cache's memory is reclaimed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import signal
+
+import pytest
+import ray
+from ray import tune
+
+from coordinated_prep import CacheError, CoordinatedSearcher, DataSpec
+from coordinated_prep.cache import CacheSpec
+from coordinated_prep.cache.layout import CacheLayout
+from coordinated_prep.cache.start import start_caches
+from tests.conftest import live_coordprep_actors
+from tests.recording import record
+from tests.utils import FileOpens
+
+IMPOSSIBLE = 2**62  # more than /dev/shm or any filesystem of the temporary directory can hold
+
+
+def _layout(session: str) -> CacheLayout:
+    return CacheLayout(session, (ray.get_runtime_context().get_node_id(),))
+
+
+def _holders(path: str) -> list[int]:
+    """Pids of the processes holding ``path`` open."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == path for fd in os.listdir(f"/proc/{pid}/fd")):
+                pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+def test_a_capacity_that_cannot_be_reserved_is_an_error_naming_node_and_fix(ray_session):
+    layout = _layout("test-impossible")
+    with pytest.raises(CacheError) as info:
+        asyncio.run(start_caches(CacheSpec(IMPOSSIBLE), layout))
+    message = str(info.value)
+    assert f"cache.capacity_bytes={IMPOSSIBLE}" in message and layout.nodes[0] in message
+    assert "lower cache.capacity_bytes" in message and "/dev/shm" in message
+    assert not any("test-impossible" in name for name in live_coordprep_actors())  # destroyed, not left behind
+
+
+def test_a_sweep_whose_cache_cannot_start_fails_at_start_instead_of_reading_storage(ray_session, small_dataset,
+                                                                                    tmp_path):
+    spec = DataSpec(dataset=small_dataset, pipeline={"size": 24}, seed=1, chunk_size=8)
+    searcher = CoordinatedSearcher(cache=CacheSpec(IMPOSSIBLE))
+    with FileOpens(small_dataset) as opens, pytest.raises(Exception) as info:
+        tune.run(tune.with_resources(record, {"cpu": 0.25}),
+                 config={"data": spec, "batch_size": 10, "epochs": 1, "out": str(tmp_path)},
+                 search_alg=searcher, num_samples=2, verbose=0, raise_on_failed_trial=False)
+    searcher.close()
+    error = str(info.value)
+    assert "cannot be reserved on node" in error and "lower cache.capacity_bytes" in error, error
+    assert sum(opens.counts.values()) == 0  # no sample was read from storage
+    assert live_coordprep_actors() == []
+
+
+def test_a_sigkilled_caches_arena_is_reclaimed_by_the_next_sweeps_cache_and_a_live_one_kept(ray_session):
+    killed = asyncio.run(start_caches(CacheSpec("1MiB"), _layout("test-killed")))
+    live = asyncio.run(start_caches(CacheSpec("1MiB"), _layout("test-live")))
+    [killed_handle], [live_handle] = killed.values(), live.values()
+    killed_path, live_path = ray.get(killed_handle.arena_id.remote()).path, ray.get(live_handle.arena_id.remote()).path
+    [pid] = _holders(killed_path)
+    process = os.pidfd_open(pid)
+    os.kill(pid, signal.SIGKILL)
+    assert select.select([process], [], [], 30)[0], "the killed cache actor did not exit"  # readable on exit
+    os.close(process)
+    assert os.path.exists(killed_path)  # SIGKILL: the actor could not delete it
+    following = asyncio.run(start_caches(CacheSpec("1MiB"), _layout("test-next")))  # the next sweep on the node
+    assert not os.path.exists(killed_path) and os.path.exists(live_path)
+    for handles in (live, following):
+        for handle in handles.values():
+            ray.get(handle.clear.remote())
+            ray.kill(handle)
+    assert not os.path.exists(live_path)
