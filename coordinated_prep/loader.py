@@ -18,7 +18,6 @@ from coordinated_prep import metrics
 from coordinated_prep.backends import make_preprocessor
 from coordinated_prep.chunk import PreparedChunk
 from coordinated_prep.errors import ConfigError
-from coordinated_prep.naming import SESSION_KEY
 from coordinated_prep.plan import holdout_split
 from coordinated_prep.sources import open_source
 from coordinated_prep.spec import DataSpec
@@ -238,17 +237,10 @@ def train_loader(
             logger.info("train_loader: not inside a Tune trial; preparing data in this process (the same bytes a "
                         "shared trial starting at piece 0 reads)")
         return TrainLoader(PrivateStream(spec), batch_size, epochs, {"group": spec.group_key, "trial": trial})
-    session = config.get(SESSION_KEY) if isinstance(config, Mapping) else None
-    if not isinstance(session, str):
-        raise ConfigError(
-            f"trial {trial}: config[{key!r}] has coordinated=True but the trial was not started by a "
-            "CoordinatedSearcher: run the sweep with search_alg=CoordinatedSearcher() (tune.run or "
-            "tune.TuneConfig), pass the whole trial config to train_loader, or set coordinated=False"
-        )
     _LOADERS[trial] += 1  # a trial's k-th loader is its own consumer: several loaders per trial work
     consumer = trial if _LOADERS[trial] == 1 else f"{trial}#{_LOADERS[trial]}"
     depth = prefetch if prefetch is not None else 2 * math.ceil(batch_size / spec.chunk_size) + 1
-    return TrainLoader(SharedStream(spec, session, trial, consumer, depth, epochs), batch_size, epochs,
+    return TrainLoader(SharedStream(spec, trial, consumer, depth, epochs), batch_size, epochs,
                        {"group": spec.group_key, "trial": trial})
 
 

@@ -1,13 +1,16 @@
-"""Names that tie trials to their sweep's registry: the Ray namespace, actor names, the config key."""
+"""How trials find their sweep's registry: the Ray namespace and the registry's name per Ray job.
+
+Every trial of a sweep runs in the Ray job of the driver that runs the sweep (Tune creates the
+trials' actors from it), so the job id names the sweep's registry: nothing is put into trial
+configs, and a sweep restored by a new driver (``Tuner.restore``) is found by its restored trials.
+One CoordinatedSearcher per driver process runs at a time.
+"""
 
 from __future__ import annotations
 
 NAMESPACE = "coordinated_prep"
 
-#: Config key under which CoordinatedSearcher puts its session id (a primitive, so Tune keeps it).
-SESSION_KEY = "__coordprep__"
 
-
-def registry_name(session: str) -> str:
-    """Actor name of the group registry of searcher session ``session``."""
-    return f"coordprep-{session}"
+def registry_name(job: str) -> str:
+    """Actor name of the group registry of the sweep run by Ray job ``job`` (its hex id)."""
+    return f"coordprep-{job}"

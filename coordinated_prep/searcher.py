@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import uuid
 from typing import Any, Dict, Mapping, Optional
 
 import ray
@@ -12,7 +11,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import ConfigError
-from coordinated_prep.naming import NAMESPACE, SESSION_KEY, registry_name
+from coordinated_prep.naming import NAMESPACE, registry_name
 from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.registry import GroupRegistry
 
@@ -32,8 +31,10 @@ class CoordinatedSearcher(SearchAlgorithm):
     (finished, stopped by a scheduler, errored), the trial leaves its groups; when a group's last
     trial leaves, its coordinator and staged pieces are destroyed. Paused trials, whose process
     Tune ends without telling a search algorithm, are released by the coordinators themselves.
-    Call :meth:`close` after the sweep. The searcher survives pickling (``Tuner.restore``): the
-    restored one finds or restarts the same session's registry, so restored trials rejoin.
+    Call :meth:`close` after the sweep. Trials find the registry by their Ray job (the driver's),
+    so nothing is added to their configs, and a restored sweep (``Tuner.restore``, also from a new
+    driver) starts or finds the registry before its restored trials run. One CoordinatedSearcher
+    per driver process runs at a time.
 
     Args:
         searcher: A Tune ``Searcher`` (e.g. OptunaSearch) or ``SearchAlgorithm``; default is Tune's
@@ -82,14 +83,11 @@ class CoordinatedSearcher(SearchAlgorithm):
         # Tune's own generator does the searching, it is a marker that only carries the number.
         self.searcher = getattr(inner, "searcher", None) or ConcurrencyLimiter(
             Searcher(), max_concurrent=max_concurrent or _PENDING_WITHOUT_LIMIT)
-        self.session = uuid.uuid4().hex[:8]
         self._registry: Any = None
-        self._trials: dict[str, Any] = {}  # trial id -> Trial, to strip the session key when it completes
 
     def __getstate__(self) -> dict[str, Any]:
-        # Tune pickles the search algorithm with the Tuner (Tuner.restore): keep the session, so that
-        # restored trials, whose configs name it, find its registry; drop the live handles.
-        return {**self.__dict__, "_registry": None, "_trials": {}}
+        # Tune pickles the search algorithm with the Tuner (Tuner.restore): the registry is not kept.
+        return {**self.__dict__, "_registry": None}
 
     # -- Tune's SearchAlgorithm hooks, delegated ---------------------------------------------
     @property
@@ -107,24 +105,17 @@ class CoordinatedSearcher(SearchAlgorithm):
         self._inner.add_configurations(experiments)
 
     def next_trial(self):
-        self._ensure_registry()  # before Tune places any trial, restored ones included
-        trial = self._inner.next_trial()
-        if trial is not None:
-            # Tune hides non-primitive config values (a DataSpec) behind placeholders until the
-            # trial is added, so the group is found later, by the trial, through the registry.
-            trial.config[SESSION_KEY] = self.session
-            self._trials[trial.trial_id] = trial
-        return trial
+        # Before Tune places any trial, restored ones included. Tune hides non-primitive config
+        # values (a DataSpec) behind placeholders until the trial is added, so each trial finds its
+        # group later, itself, through the registry.
+        self._ensure_registry()
+        return self._inner.next_trial()
 
     def on_trial_result(self, trial_id: str, result: Dict) -> None:
         self._inner.on_trial_result(trial_id, result)
 
     def on_trial_complete(self, trial_id: str, result: Optional[Dict] = None, error: bool = False) -> None:
         self._inner.on_trial_complete(trial_id, result=result, error=error)
-        trial = self._trials.pop(trial_id, None)
-        if trial is not None and not error:
-            # The session key has done its job: without it, the best config is reusable as it is.
-            trial.config.pop(SESSION_KEY, None)
         if self._registry is None:
             return
         try:  # synchronous, so what only this trial held is freed before the next trial starts
@@ -180,11 +171,12 @@ class CoordinatedSearcher(SearchAlgorithm):
         """Start the registry and every node's prep pool, once; waits until the pools are ready."""
         if self._registry is not None:
             return
-        here = ray.get_runtime_context().get_node_id()  # the driver's node: it lives as long as the sweep
+        context = ray.get_runtime_context()
+        job = context.get_job_id()  # every trial of the sweep runs in this job: they find the registry by it
         registry = GroupRegistry.options(
-            name=registry_name(self.session), namespace=NAMESPACE, get_if_exists=True,  # a restored sweep's
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
-        ).remote(self.session, self._cache, self._pool)
+            name=registry_name(job), namespace=NAMESPACE, get_if_exists=True,  # a restored searcher's twin
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=context.get_node_id(), soft=False),  # lives
+        ).remote(job, self._cache, self._pool)  # as long as the driver
         # Blocking on purpose: the pools must hold their CPUs before Tune places trials on them.
         try:
             pools = ray.get(registry.start.remote(), timeout=self._pool.start_timeout_s + _CALL_TIMEOUT_S)
@@ -196,9 +188,17 @@ class CoordinatedSearcher(SearchAlgorithm):
 
 
 def _destroy(registry: Any) -> None:
-    """Shut a registry down (its groups, pools and caches), then kill it."""
+    """Shut a registry down (its groups, pools and caches), kill it, and wait until it is gone, so
+    that its name (the job's) is free for the next sweep of this driver."""
     try:
         ray.get(registry.shutdown.remote(), timeout=_CALL_TIMEOUT_S)
     except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
         logger.warning("coordinated_prep: a registry did not shut down cleanly: %s", e)
     ray.kill(registry)
+    try:
+        ray.get(registry.__ray_ready__.remote(), timeout=_CALL_TIMEOUT_S)
+    except ray.exceptions.RayActorError:
+        return  # dead, its name released
+    except ray.exceptions.GetTimeoutError:
+        pass
+    logger.warning("coordinated_prep: the registry still answered after it was killed")

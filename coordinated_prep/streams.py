@@ -10,7 +10,7 @@ import ray
 
 from coordinated_prep.backends import make_preprocessor
 from coordinated_prep.chunk import PreparedChunk, prepare_chunk
-from coordinated_prep.errors import PrepError
+from coordinated_prep.errors import ConfigError, PrepError
 from coordinated_prep.naming import NAMESPACE, registry_name
 from coordinated_prep.plan import StreamPlan, holdout_split
 from coordinated_prep.sources import open_source
@@ -92,7 +92,6 @@ class SharedStream:
 
     Args:
         spec: The trial's data spec.
-        session: The CoordinatedSearcher session that owns the sweep's data groups.
         trial: The Tune trial id.
         consumer: The id the coordinator knows this loader by: the trial id, with ``#k`` appended
             for the trial's k-th loader, so that one trial may read several loaders.
@@ -100,18 +99,20 @@ class SharedStream:
         epochs: Epochs the trial will read, if it knows: nothing past them is requested or prepared.
     """
 
-    def __init__(self, spec: DataSpec, session: str, trial: str, consumer: str, prefetch: int,
-                 epochs: int | None = None) -> None:
+    def __init__(self, spec: DataSpec, trial: str, consumer: str, prefetch: int, epochs: int | None = None) -> None:
         self._spec = spec
         self._trial = consumer
         self._fallback: PrivateStream | None = None  # set when the lease detaches this trial
         self._timeout = spec.fetch_timeout_s
+        job = ray.get_runtime_context().get_job_id()  # the driver's: it runs the sweep and its registry
         try:
-            registry = ray.get_actor(registry_name(session), namespace=NAMESPACE)
+            registry = ray.get_actor(registry_name(job), namespace=NAMESPACE)
         except ValueError:
-            raise PrepError(
-                f"trial {trial}: the data-group registry {registry_name(session)!r} is gone; it lives as long as "
-                "the CoordinatedSearcher that started the sweep (was searcher.close() called early?)"
+            raise ConfigError(
+                f"trial {trial}: config has a DataSpec with coordinated=True, but no CoordinatedSearcher runs this "
+                "sweep (no data-group registry in this Ray job): run it with search_alg=CoordinatedSearcher() "
+                "(tune.run or tune.TuneConfig) and keep the searcher open until the sweep ends, or set "
+                "coordinated=False"
             ) from None
         node = ray.get_runtime_context().get_node_id()  # the group's coordinator on this node serves it
         self._coordinator = self._call(registry.group_for.remote(spec, trial, node), "finding its data group")

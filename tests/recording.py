@@ -93,11 +93,14 @@ def record(config: dict) -> None:
     ``checkpoint`` (True: a checkpoint holding the epoch is reported every epoch, and a restored
     trial resumes at that epoch, declaring the epochs left),
     ``gate`` (name of a :class:`Gate` in the coordinated_prep namespace: after epoch ``gate_after``
-    the trial arrives there and waits for the test to open it).
+    the trial arrives there and waits for the test to open it), ``eval_s`` (seconds of a simulated
+    evaluation after each epoch). Each epoch also records the prep processes alive on the machine.
     """
     out = os.path.join(config["out"], tune.get_context().get_trial_id())
     os.makedirs(out, exist_ok=True)
     first = _restored_epoch()  # 0 unless Tune restored the trial from its checkpoint (pause, PBT, retry)
+    if first >= config["epochs"]:
+        return  # restored from a checkpoint of its last epoch (a PBT exploit of a finished trial)
     loader = train_loader(config, batch_size=config["batch_size"],
                           epochs=config["epochs"] - first if config.get("declare_epochs", True) else None)
     for epoch in range(first, config["epochs"]):
@@ -111,7 +114,8 @@ def record(config: dict) -> None:
                  indices=np.concatenate([p[0] for p in parts]), stream_epochs=np.concatenate([p[1] for p in parts]),
                  digests=np.concatenate([p[2] for p in parts]), batch_sizes=np.array([p[3] for p in parts]),
                  start=loader.start_piece, coordinator=str(loader.coordinator),
-                 private_samples=loader.private_samples, node=ray.get_runtime_context().get_node_id())
+                 private_samples=loader.private_samples, node=ray.get_runtime_context().get_node_id(),
+                 prep_processes=len(pids_titled("ray::PrepActor")))
         metrics = {"epoch": epoch + 1, "score": float(config.get("score", 0.0)) * (epoch + 1)}
         if config.get("checkpoint"):
             with tempfile.TemporaryDirectory() as d:
@@ -120,6 +124,8 @@ def record(config: dict) -> None:
                 tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
         else:
             tune.report(metrics)
+        if config.get("eval_s"):
+            time.sleep(config["eval_s"])  # stands for a long evaluation, not for synchronisation
         if config.get("gate") and epoch == config.get("gate_after", 0):
             gate = ray.get_actor(config["gate"], namespace="coordinated_prep")
             ray.get(gate.arrive.remote(tune.get_context().get_trial_id()), timeout=60)
@@ -134,8 +140,8 @@ def _restored_epoch() -> int:
         return int(f.read())
 
 
-def load_records(out: str) -> dict[str, list[dict[str, np.ndarray]]]:
-    """Per trial id: the saved epochs in order."""
+def load_records(out: str, contiguous: bool = True) -> dict[str, list[dict[str, np.ndarray]]]:
+    """Per trial id: the saved epochs in order (with ``contiguous``, none may be missing)."""
     records = {}
     for trial in sorted(os.listdir(out)):
         if not os.path.isdir(os.path.join(out, trial)):
@@ -143,5 +149,6 @@ def load_records(out: str) -> dict[str, list[dict[str, np.ndarray]]]:
         files = sorted(f for f in os.listdir(os.path.join(out, trial)) if f.endswith(".npz"))
         files.sort(key=lambda f: int(f[5:-4]))
         records[trial] = [dict(np.load(os.path.join(out, trial, f))) for f in files]
-        assert [int(f[5:-4]) for f in files] == list(range(len(files))), f"{trial}: epochs missing: {files}"
+        if contiguous:
+            assert [int(f[5:-4]) for f in files] == list(range(len(files))), f"{trial}: epochs missing: {files}"
     return records

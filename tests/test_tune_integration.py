@@ -129,8 +129,8 @@ def test_sharing_without_the_searcher_is_a_clear_error_in_the_trial(ray_session,
 
 
 def test_a_sweeps_config_reused_outside_tune_prepares_in_process(small_dataset):
-    """A best config (coordinated, with the sweep's session key) trains again outside the sweep."""
-    best = {"data": _spec(small_dataset), "__coordprep__": "0123abcd"}
+    """A sweep's best config (coordinated) trains again outside Tune, in this process."""
+    best = {"data": _spec(small_dataset)}
     reused = train_loader(best, batch_size=8, epochs=1)
     private = train_loader(_spec(small_dataset, coordinated=False), batch_size=8, epochs=1)
     got, want = list(reused), list(private)

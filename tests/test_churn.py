@@ -1,0 +1,250 @@
+"""Sweeps churn (real Tune sweeps): joins past the head, lone trials, pauses, restores, several groups.
+
+Every test checks exact epochs with the shared harness; pytest-timeout bounds each one, so a
+stranded trial fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import ray
+from ray import tune
+from ray.tune.schedulers import PopulationBasedTraining
+
+from coordinated_prep import CoordinatedSearcher, DataSpec, train_loader
+from coordinated_prep.pool import PoolSpec
+from coordinated_prep.schedulers import HyperBandScheduler  # Ray's hangs at a bracket's end (see there)
+from tests.conftest import live_coordprep_actors, plasma_objects
+from tests.harness import check_trial_records, sample_digests
+from tests.recording import Gate, load_records, record
+
+PIECE = 8 * 3 * 32 * 32  # bytes of one piece of 8 samples at 32 px
+
+
+def _spec(dataset: str, **overrides) -> DataSpec:
+    values = dict(dataset=dataset, pipeline={"size": 32}, seed=3, chunk_size=8, segments=4, lookahead=2)
+    values.update(overrides)
+    return DataSpec(**values)
+
+
+def _save(out: str, name: str, epoch: int, batches: list, loader) -> None:
+    os.makedirs(os.path.join(out, name), exist_ok=True)
+    np.savez(os.path.join(out, name, f"epoch{epoch}.npz"),
+             indices=np.concatenate([b.indices.numpy() for b in batches]),
+             stream_epochs=np.concatenate([b.stream_epochs.numpy() for b in batches]),
+             digests=np.concatenate([sample_digests(b.images.numpy()) for b in batches]),
+             batch_sizes=np.array([len(b) for b in batches]), start=loader.start_piece,
+             private_samples=loader.private_samples)
+
+
+def _gate(name: str):
+    return ray.get_actor(name, namespace="coordinated_prep")
+
+
+def joiner(config: dict) -> None:
+    """``first`` reads a few batches, lets ``second`` join, and leaves as soon as it has joined."""
+    trial = tune.get_context().get_trial_id()
+    if config["role"] == "first":
+        loader = train_loader(config, batch_size=8, epochs=1)
+        batches = iter(loader)
+        for _ in range(2):
+            next(batches)
+        ray.get(_gate("mid-epoch").open.remote(), timeout=60)
+        ray.get(_gate("joined").wait_open.remote(120), timeout=150)
+        del batches
+        loader.close()  # leaves its group with the head far below the joiner's start
+        return
+    ray.get(_gate("mid-epoch").wait_open.remote(120), timeout=150)
+    loader = train_loader(config, batch_size=8, epochs=2)
+    ray.get(_gate("joined").open.remote(), timeout=60)
+    for epoch in range(2):
+        _save(config["out"], trial, epoch, list(loader), loader)
+
+
+def test_a_joiner_past_the_head_finishes_when_the_trials_before_it_leave(ray_session, small_dataset, tmp_path):
+    baseline = plasma_objects()
+    spec = _spec(small_dataset, segments=2, fetch_timeout_s=60)  # a stranded joiner would fail after 60 s
+    gates = [Gate.options(name=n, namespace="coordinated_prep").remote() for n in ("mid-epoch", "joined")]
+    searcher = CoordinatedSearcher()
+    analysis = tune.run(tune.with_resources(joiner, {"cpu": 0.25}), search_alg=searcher, verbose=0,
+                        config={"data": spec, "role": tune.grid_search(["first", "second"]), "out": str(tmp_path)})
+    [report] = searcher.group_reports().values()
+    searcher.close()
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    [(trial, epochs)] = load_records(str(tmp_path)).items()
+    assert int(epochs[0]["start"]) > 0, "the second trial joined mid-epoch, at the next segment"
+    check_trial_records(spec, epochs, 8, trial)
+    assert report["evictions"] == 0 and report["stall_s"] < 1.0, report
+    for gate in gates:
+        ray.kill(gate)
+    assert live_coordprep_actors() == [] and plasma_objects() == baseline
+
+
+def test_a_lone_trial_evaluating_longer_than_the_lease_is_not_detached(ray_session, small_dataset, tmp_path):
+    baseline = plasma_objects()
+    # The budget holds two pieces, so the lone trial's prefetched pieces fill it while it evaluates
+    # for far longer than the lease; nobody waits for a piece then, so nobody is detached.
+    spec = _spec(small_dataset, staging_bytes=2 * PIECE, lease_s=0.3)
+    searcher = CoordinatedSearcher()
+    analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0,
+                        config={"data": spec, "batch_size": 8, "epochs": tune.grid_search([1, 3]), "eval_s": 1.5,
+                                "out": str(tmp_path)})
+    [report] = searcher.group_reports().values()
+    searcher.close()
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    assert report["evictions"] == 0, report
+    for trial, epochs in load_records(str(tmp_path)).items():
+        check_trial_records(spec, epochs, 8, trial)
+        assert int(epochs[-1]["private_samples"]) == 0, f"{trial} was detached"
+    assert live_coordprep_actors() == [] and plasma_objects() == baseline
+
+
+@pytest.mark.parametrize("scheduler", ["hyperband", "pbt"])
+def test_paused_trials_release_their_place_within_seconds(ray_session, small_dataset, tmp_path, scheduler):
+    baseline = plasma_objects()
+    # A small budget, and a lease far longer than the test: a paused trial that kept its place would
+    # stall its group for the whole lease at every pause.
+    spec = _spec(small_dataset, staging_bytes=3 * PIECE, lease_s=300)
+    if scheduler == "hyperband":
+        sched = HyperBandScheduler(time_attr="training_iteration", max_t=4, reduction_factor=2)
+    else:
+        sched = PopulationBasedTraining(time_attr="training_iteration", perturbation_interval=1,
+                                        hyperparam_mutations={"score": [1, 2, 3, 4, 5, 6]}, quantile_fraction=0.5,
+                                        synch=False)
+    # Six trials at once: HyperBand (max_t 4, factor 2) puts the first three in a bracket that runs
+    # them to the end and the next three in one that pauses each at iteration 2 until all three got
+    # there; PBT pauses the worst half to exploit the best.
+    searcher = CoordinatedSearcher(max_concurrent=6)
+    analysis = tune.run(tune.with_resources(record, {"cpu": 0.125}), search_alg=searcher, scheduler=sched,
+                        metric="score", mode="max", verbose=0, reuse_actors=False,
+                        config={"data": spec, "batch_size": 8, "epochs": 4, "checkpoint": True, "delay_s": 0.02,
+                                "score": tune.grid_search([1, 2, 3, 4, 5, 6]), "out": str(tmp_path)})
+    reports = searcher.group_reports()
+    searcher.close()
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    [report] = reports.values()
+    assert report["released_dead"] >= 1, f"no trial of the {scheduler} sweep was paused: {report}"
+    assert report["evictions"] == 0 and report["stall_s"] < 10, report
+    for trial, epochs in load_records(str(tmp_path), contiguous=scheduler != "pbt").items():
+        check_trial_records(spec, epochs, 8, trial)  # a resumed trial's epochs are exact too
+    assert live_coordprep_actors() == [] and plasma_objects() == baseline
+
+
+def two_loaders(config: dict) -> None:
+    """Reads three loaders in turn, batch by batch: the same spec twice and another crop size."""
+    trial = tune.get_context().get_trial_id()
+    loaders = {"a": train_loader(config, 8, epochs=2), "b": train_loader(config, 12, epochs=2),
+               "c": train_loader(config, 8, epochs=2, key="other")}
+    for epoch in range(2):
+        iters = {k: iter(v) for k, v in loaders.items()}
+        got: dict[str, list] = {k: [] for k in loaders}
+        while iters:
+            for k in list(iters):
+                batch = next(iters[k], None)
+                if batch is None:
+                    del iters[k]
+                else:
+                    got[k].append(batch)
+        for k, loader in loaders.items():
+            _save(config["out"], f"{trial}-{k}", epoch, got[k], loader)
+
+
+def test_several_loaders_in_one_trial_each_get_exact_epochs(ray_session, small_dataset, tmp_path):
+    baseline = plasma_objects()
+    spec, other = _spec(small_dataset), _spec(small_dataset, pipeline={"size": 24})
+    searcher = CoordinatedSearcher()
+    analysis = tune.run(tune.with_resources(two_loaders, {"cpu": 0.25}), search_alg=searcher, verbose=0,
+                        config={"data": spec, "other": other, "out": str(tmp_path), "n": tune.grid_search([1, 2])})
+    reports = searcher.group_reports()
+    searcher.close()
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    assert reports[spec.group_key]["trials_joined"] == 4 and reports[other.group_key]["trials_joined"] == 2
+    records = load_records(str(tmp_path))
+    assert len(records) == 6
+    for name, epochs in records.items():
+        which = name.rsplit("-", 1)[1]
+        check_trial_records(other if which == "c" else spec, epochs, 12 if which == "b" else 8, name)
+    assert live_coordprep_actors() == [] and plasma_objects() == baseline
+
+
+def test_a_second_live_iterator_over_one_loader_is_a_clear_error(small_dataset):
+    from coordinated_prep import ConfigError
+
+    loader = train_loader(_spec(small_dataset, coordinated=False), 8, epochs=3)
+    first = iter(loader)
+    next(first)
+    with pytest.raises(ConfigError, match="still being iterated"):
+        iter(loader)
+    del first  # dropped mid-epoch, like a `for` loop that breaks: the next epoch may start
+    assert len(list(loader)) == len(loader)
+
+
+def test_a_sweep_over_four_crop_sizes_costs_one_groups_processes_and_budget(ray_session, small_dataset, tmp_path):
+    baseline = plasma_objects()
+    specs = [_spec(small_dataset, pipeline={"size": s}) for s in (24, 28, 32, 40)]
+    node_budget = 6 * 8 * 3 * 40 * 40  # six of the largest pieces, for the whole node
+    searcher = CoordinatedSearcher(pool=PoolSpec(actors=2, staging_bytes=node_budget))
+    analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0,
+                        config={"data": tune.grid_search(specs), "batch_size": 8, "epochs": 2, "delay_s": 0.02,
+                                "out": str(tmp_path)})
+    reports = searcher.group_reports()
+    searcher.close()
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    assert set(reports) == {s.group_key for s in specs}
+    records = load_records(str(tmp_path))
+    by_trial = {t.trial_id: t.config["data"] for t in analysis.trials}
+    for trial, epochs in records.items():
+        check_trial_records(by_trial[trial], epochs, 8, trial)
+    assert max(int(e["prep_processes"]) for eps in records.values() for e in eps) == 2, "one pool for 4 groups"
+    assert sum(r["peak_staged_bytes"] for r in reports.values()) <= node_budget + 3 * specs[-1].chunk_bytes
+    assert all(r["budget_bytes"] <= node_budget for r in reports.values())
+    assert live_coordprep_actors() == [] and plasma_objects() == baseline
+
+
+class _Interrupt(tune.Callback):
+    """Interrupts the sweep as Ctrl-C would (SIGINT to the driver) once ``after`` results came in.
+
+    Once per ``marker`` file: Tune restores the callback with the run, and the resumed run goes on.
+    """
+
+    def __init__(self, after: int, marker: str) -> None:
+        self.after, self.seen, self.marker = after, 0, marker
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        self.seen += 1
+        if self.seen == self.after and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGINT)  # Tune's handler stops the loop and saves the state
+
+
+def test_a_sweep_interrupted_mid_way_resumes_with_tuner_restore(ray_session, small_dataset, tmp_path):
+    baseline = plasma_objects()
+    spec = _spec(small_dataset)
+    searcher = CoordinatedSearcher(max_concurrent=2)
+    param_space = {"data": spec, "batch_size": 8, "epochs": 3, "checkpoint": True, "delay_s": 0.02,
+                   "score": tune.grid_search([1, 2, 3, 4]), "out": str(tmp_path / "records")}
+    run = tune.RunConfig(name="interrupted", storage_path=str(tmp_path / "results"), verbose=0,
+                         callbacks=[_Interrupt(after=3, marker=str(tmp_path / "interrupted"))])
+    tuner = tune.Tuner(tune.with_resources(record, {"cpu": 0.25}), param_space=param_space,
+                       tune_config=tune.TuneConfig(search_alg=searcher, metric="score", mode="max"), run_config=run)
+    try:
+        interrupted = tuner.fit()
+        assert len(interrupted) < 4 or any(r.metrics.get("epoch", 0) < 3 for r in interrupted), "not interrupted"
+    except tune.TuneError:
+        pass  # how an interrupted fit ends depends on the Ray version; either way its state was saved
+    path = str(tmp_path / "results" / "interrupted")
+    assert tune.Tuner.can_restore(path)
+    # The same param_space again: Tune keeps the DataSpec objects out of its saved state.
+    results = tune.Tuner.restore(path, trainable=tune.with_resources(record, {"cpu": 0.25}),
+                                 param_space=param_space, resume_unfinished=True).fit()
+    searcher.close()  # the restored searcher found this session's registry: one close for both
+    assert not results.errors, results.errors
+    assert len(results) == 4 and all(r.metrics["epoch"] == 3 for r in results)
+    assert all(set(r.config) == set(param_space) for r in results), "the best config is reusable as it is"
+    for trial, epochs in load_records(str(tmp_path / "records")).items():
+        check_trial_records(spec, epochs, 8, trial)
+    assert live_coordprep_actors() == [] and plasma_objects() == baseline

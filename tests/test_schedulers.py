@@ -1,0 +1,67 @@
+"""The fixed HyperBand: the sequence that leaves Ray's own with a trial paused forever, driven directly."""
+
+from __future__ import annotations
+
+import pytest
+from ray.tune.experiment import Trial
+from ray.tune.schedulers import HyperBandScheduler as RayHyperBand
+from ray.tune.schedulers import TrialScheduler
+
+from coordinated_prep.schedulers import HyperBandScheduler
+
+
+class _Controller:
+    """What HyperBand calls on Tune's controller: stopping a trial."""
+
+    def __init__(self) -> None:
+        self.stopped: list[Trial] = []
+
+    def stop_trial(self, trial: Trial) -> None:
+        self.stopped.append(trial)
+        trial.set_status(Trial.TERMINATED)
+
+
+def _end_of_first_bracket(cls: type) -> tuple[_Controller, Trial]:
+    """Three trials in HyperBand's first bracket (max_t 4: no halving). The first to reach 4 is
+    paused; the other two then end by completing (their last result arrives as they end)."""
+    scheduler = cls(time_attr="training_iteration", max_t=4, reduction_factor=2, metric="score", mode="max")
+    controller = _Controller()
+    trials = [Trial("__fake", stub=True, trial_id=f"t{i}") for i in range(3)]
+    for t in trials:
+        scheduler.on_trial_add(controller, t)
+        t.set_status(Trial.RUNNING)
+    first, *others = trials
+    for t in trials:
+        scheduler.on_trial_result(controller, t, {"training_iteration": 3, "score": 1.0})
+    assert scheduler.on_trial_result(controller, first, {"training_iteration": 4, "score": 1.0}) == TrialScheduler.PAUSE
+    first.set_status(Trial.PAUSED)
+    for t in others:
+        t.set_status(Trial.TERMINATED)
+        scheduler.on_trial_complete(controller, t, {"training_iteration": 4, "score": 1.0})
+    return controller, first
+
+
+def test_rays_hyperband_leaves_the_paused_trial_paused():
+    controller, paused = _end_of_first_bracket(RayHyperBand)
+    assert controller.stopped == [] and paused.status == Trial.PAUSED, "Ray fixed it: drop our subclass"
+
+
+def test_the_fixed_hyperband_stops_it():
+    controller, paused = _end_of_first_bracket(HyperBandScheduler)
+    assert controller.stopped == [paused] and paused.status == Trial.TERMINATED
+
+
+@pytest.mark.parametrize("cls", [RayHyperBand, HyperBandScheduler])
+def test_a_last_result_through_on_trial_result_stops_it_in_both(cls):
+    scheduler = cls(time_attr="training_iteration", max_t=4, reduction_factor=2, metric="score", mode="max")
+    controller = _Controller()
+    trials = [Trial("__fake", stub=True, trial_id=f"t{i}") for i in range(3)]
+    for t in trials:
+        scheduler.on_trial_add(controller, t)
+        t.set_status(Trial.RUNNING)
+    scheduler.on_trial_result(controller, trials[0], {"training_iteration": 4, "score": 1.0})
+    trials[0].set_status(Trial.PAUSED)
+    scheduler.on_trial_result(controller, trials[1], {"training_iteration": 4, "score": 1.0})
+    trials[1].set_status(Trial.PAUSED)
+    assert scheduler.on_trial_result(controller, trials[2], {"training_iteration": 4, "score": 1.0}) == TrialScheduler.STOP
+    assert set(controller.stopped) == set(trials[:2])
