@@ -38,6 +38,7 @@ from coordinated_prep import metrics
 from coordinated_prep.errors import PrepError
 from coordinated_prep.plan import StreamPlan, holdout_split
 from coordinated_prep.sources import open_source
+from coordinated_prep.sources.fingerprint import Fingerprint, index_fingerprint
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.staging import SlotState, StagingBuffer
 
@@ -205,6 +206,10 @@ class Coordinator:
         self.stats["budget_bytes"] = budget_bytes
         metrics.set_gauge("staging_budget_bytes", budget_bytes, group=self.group)
         await self._notify()
+
+    async def fingerprint(self) -> Fingerprint:
+        """The fingerprint of this node's copy of the dataset's index (compared across nodes)."""
+        return index_fingerprint(open_source(self.spec.dataset), self.spec.dataset)
 
     async def report(self) -> dict[str, Any]:
         """Counters for the sweep summary and tests."""

@@ -26,6 +26,7 @@ from coordinated_prep.errors import PrepError
 from coordinated_prep.naming import NAMESPACE
 from coordinated_prep.pool.node import NodePool, node_table
 from coordinated_prep.pool.spec import PoolSpec, split_budget
+from coordinated_prep.sources.fingerprint import Fingerprint, check_same_index
 from coordinated_prep.spec import DataSpec
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class GroupRegistry:
         self._finished: dict[str, dict[str, Any]] = {}
         self._incarnation = itertools.count()
         self._locks: dict[str, asyncio.Lock] = {}
+        self._indexes: dict[str, tuple[str, Fingerprint]] = {}  # dataset -> (first node, its index's fingerprint)
 
     async def start(self) -> dict[str, int]:
         """Start a prep pool on every live node with CPUs and wait until each is ready (warm start).
@@ -181,9 +183,26 @@ class GroupRegistry:
             name=name, namespace=NAMESPACE,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
         ).remote(spec, name, pool.actors, self._share(node, key, pool))
+        try:
+            await self._check_index(spec.dataset, node, group.actor)
+        except Exception:
+            del self._groups[key]
+            ray.kill(group.actor)
+            raise
         logger.info("data group %s: started %s on node %s", spec.group_key, name, node)
         await self._split(node, except_key=key)
         return group
+
+    async def _check_index(self, dataset: str, node: str, coordinator: Any) -> None:
+        """Refuse a node whose copy of ``dataset`` indexes other samples than the first node's.
+
+        Raises:
+            DatasetError: Naming the dataset, both nodes and what differs (caches and coordinators of
+                different nodes exchange samples by index).
+        """
+        found = await asyncio.wait_for(coordinator.fingerprint.remote(), _CALL_TIMEOUT_S)
+        first_node, first = self._indexes.setdefault(dataset, (node, found))
+        check_same_index(dataset, first_node, first, node, found)
 
     async def _pool(self, node: str) -> NodePool:
         """The node's prep pool, started (once, concurrent callers share the start) and ready."""

@@ -84,6 +84,7 @@ class CoordinatedSearcher(SearchAlgorithm):
         self.searcher = getattr(inner, "searcher", None) or ConcurrencyLimiter(
             Searcher(), max_concurrent=max_concurrent or _PENDING_WITHOUT_LIMIT)
         self._registry: Any = None
+        self.session: str | None = None  # the Ray job id naming the registry, once started
 
     def __getstate__(self) -> dict[str, Any]:
         # Tune pickles the search algorithm with the Tuner (Tuner.restore): the registry is not kept.
@@ -172,7 +173,7 @@ class CoordinatedSearcher(SearchAlgorithm):
         if self._registry is not None:
             return
         context = ray.get_runtime_context()
-        job = context.get_job_id()  # every trial of the sweep runs in this job: they find the registry by it
+        job = self.session = context.get_job_id()  # every trial of the sweep runs in this job: they find the registry by it
         registry = GroupRegistry.options(
             name=registry_name(job), namespace=NAMESPACE, get_if_exists=True,  # a restored searcher's twin
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=context.get_node_id(), soft=False),  # lives

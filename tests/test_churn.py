@@ -248,3 +248,29 @@ def test_a_sweep_interrupted_mid_way_resumes_with_tuner_restore(ray_session, sma
     for trial, epochs in load_records(str(tmp_path / "records")).items():
         check_trial_records(spec, epochs, 8, trial)
     assert live_coordprep_actors() == [] and plasma_objects() == baseline
+
+
+def cut_short(config: dict) -> None:
+    """Epoch 0 stops after one batch (a max-steps loop); the next two epochs are whole and recorded."""
+    trial = tune.get_context().get_trial_id()
+    loader = train_loader(config, batch_size=8, epochs=3)
+    for _ in loader:
+        break
+    for epoch in range(2):
+        _save(config["out"], trial, epoch, list(loader), loader)
+
+
+def test_an_epoch_cut_short_is_passed_over_and_the_next_ones_are_exact(ray_session, small_dataset, tmp_path):
+    baseline = plasma_objects()
+    spec = _spec(small_dataset, fetch_timeout_s=60)
+    searcher = CoordinatedSearcher()
+    analysis = tune.run(tune.with_resources(cut_short, {"cpu": 0.25}), search_alg=searcher, verbose=0,
+                        config={"data": spec, "out": str(tmp_path), "n": tune.grid_search([1, 2])})
+    [report] = searcher.group_reports().values()
+    searcher.close()
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    for trial, epochs in load_records(str(tmp_path)).items():
+        check_trial_records(spec, epochs, 8, trial)
+    # Nothing past the trials' declared 3 epochs, and the rest of the cut epoch was not all prepared.
+    assert report["samples_prepared"] < 3 * report["samples_per_epoch"] + spec.chunk_size * 8, report
+    assert live_coordprep_actors() == [] and plasma_objects() == baseline

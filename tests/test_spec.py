@@ -38,3 +38,17 @@ def test_from_mapping_rejects_unknown_keys_by_name():
 
 def test_repr_is_short():
     assert repr(DataSpec(seed=3)) == "DataSpec(seed=3)"
+
+
+def test_a_relative_dataset_path_is_made_absolute_and_groups_with_the_absolute_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    relative = DataSpec(dataset="./data")
+    assert relative.dataset == str(tmp_path / "data")
+    assert relative.group_key == DataSpec(dataset=str(tmp_path / "data")).group_key
+    assert DataSpec(dataset="builtin:shapes").dataset == "builtin:shapes"
+
+
+@pytest.mark.parametrize("key, moved", [("prep_actors", "pool.actors"), ("staging_fraction", "pool.staging_fraction")])
+def test_keys_that_moved_to_the_node_pool_say_where(key, moved):
+    with pytest.raises(ConfigError, match=rf"data.{key} belongs to the node's prep pool now.*{moved}"):
+        DataSpec.from_mapping({key: 2})

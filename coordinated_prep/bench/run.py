@@ -24,6 +24,7 @@ from coordinated_prep.bench.reads import node_cache_rows, read_rows
 from coordinated_prep.bench.trials import bench_trial
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.plan import holdout_split
+from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.searcher import CoordinatedSearcher
 from coordinated_prep.sources import ImageFolderSource, ParquetSource, open_source
 from coordinated_prep.spec import DataSpec
@@ -35,8 +36,7 @@ def data_spec(cfg: BenchConfig, loader: str, dataset: str | None = None) -> Data
     """The DataSpec of ``loader``: the same data and augmentation for all four (``dataset``: another copy)."""
     backend = "dali" if loader.endswith("dali") else "torchvision"
     return DataSpec(dataset=dataset or cfg.dataset, pipeline={"size": cfg.size, "backend": backend}, seed=0,
-                    coordinated=loader.startswith("coordinated"), chunk_size=cfg.batch_size, segments=4,
-                    prep_actors=cfg.cores)
+                    coordinated=loader.startswith("coordinated"), chunk_size=cfg.batch_size, segments=4)
 
 
 def run_bench(cfg: BenchConfig, progress: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
@@ -129,15 +129,18 @@ def measure(cfg: BenchConfig, loader: str, trials: int, step: str, dataset: str 
               "workers": workers, "step_ms": cfg.simulated_step_ms, "width": cfg.cnn_width,
               "max_batches": cfg.cnn_batches if step == "cnn" else 0,
               "trial_index": tune.grid_search(list(range(trials)))}
-    searcher = CoordinatedSearcher(max_concurrent=trials)
+    # Independent loaders run without the searcher: no prep pool sits beside them.
+    searcher = CoordinatedSearcher(max_concurrent=trials, pool=PoolSpec(actors=cfg.cores)) if spec.coordinated else None
     try:
         analysis = tune.run(tune.with_resources(bench_trial, {"cpu": 0.01}), config=config, search_alg=searcher,
+                            max_concurrent_trials=None if searcher else trials,
                             verbose=0, raise_on_failed_trial=True, storage_path=os.path.abspath(
                                 os.path.join(cfg.storage_path, cfg.name, "tune")),
                             name=f"{step}-{loader}-{trials}" + ("" if fmt == "files" else f"-{fmt}"))
-        groups = searcher.group_reports()
+        groups = searcher.group_reports() if searcher else {}
     finally:
-        searcher.close()
+        if searcher:
+            searcher.close()
     results = [t.last_result for t in analysis.trials]
     samples = sum(r["samples"] for r in results)
     read = sum(r["samples_read"] for r in results)

@@ -53,10 +53,11 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         rows.append([key, g.get("dataset"), g.get("samples_prepared"), g.get("samples_served"),
                      _num(g.get("saving"), "{:.2f}x"), _num(g.get("peak_staged_bytes", 0) / 2**20, "{:.1f}"),
                      _num(g.get("fetch_s"), "{:.1f}"), _num(g.get("transform_s"), "{:.1f}"),
-                     _num(g.get("put_s"), "{:.1f}"), g.get("evictions", 0), len(g.get("nodes", [])) or "-"])
+                     _num(g.get("put_s"), "{:.1f}"), g.get("evictions", 0), g.get("released_dead", 0),
+                     _num(g.get("stall_s"), "{:.1f}"), len(g.get("nodes", [])) or "-"])
     if rows:
         lines.append(format_table(["group", "dataset", "prepared", "served", "saving", "peak MiB", "fetch s",
-                                   "decode+aug s", "put s", "detached", "nodes"], rows))
+                                   "decode+aug s", "put s", "detached", "released", "stall s", "nodes"], rows))
     else:
         lines.append("No coordinated data groups (coordinated: false): every trial prepared its own data.")
     caches = summary.get("caches") or {}

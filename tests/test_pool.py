@@ -1,0 +1,50 @@
+"""The node pool's options and the pure split of a node's staging budget among its groups."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from coordinated_prep import ConfigError
+from coordinated_prep.pool import PoolSpec, split_budget
+
+
+def test_defaults_are_one_actor_per_cpu_reserving_half_and_a_quarter_of_the_store():
+    spec = PoolSpec()
+    assert spec.actors_for(8) == 8 and spec.cpus_for(8) == 4 and spec.budget_for(1000) == 250
+    assert spec.actors_for(0.5) == 1, "a node with less than a CPU still gets an actor"
+    assert PoolSpec(actors=3, cpus=0, staging_bytes="1KiB").budget_for(10**9) == 1024
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"actors": 0}, r"pool.actors=0 must be an integer >= 1"),
+    ({"cpus": -1}, r"pool.cpus=-1 must be a number >= 0"),
+    ({"staging_fraction": 1.0}, r"pool.staging_fraction=1.0 must be in \(0, 0.9\]"),
+    ({"staging_bytes": "lots"}, r"pool.staging_bytes='lots' must be a byte count"),
+    ({"actor": 2}, r"pool: unknown key\(s\) \['actor'\]"),
+])
+def test_bad_values_name_the_key(values, message):
+    with pytest.raises(ConfigError, match=message):
+        PoolSpec.from_mapping(values)
+
+
+def test_equal_shares_and_caps_water_filled():
+    assert split_budget(100, {"a": None}) == {"a": 100}
+    assert split_budget(100, {"a": None, "b": None, "c": None, "d": None}) == {k: 25 for k in "abcd"}
+    assert split_budget(100, {"a": 10, "b": None, "c": None}) == {"a": 10, "b": 45, "c": 45}
+    assert split_budget(100, {"a": 500, "b": None}) == {"a": 50, "b": 50}, "a cap above the share changes nothing"
+
+
+@given(total=st.integers(1, 10**9), caps=st.dictionaries(st.text(min_size=1, max_size=3),
+                                                        st.one_of(st.none(), st.integers(1, 10**9)),
+                                                        min_size=1, max_size=8))
+def test_shares_never_exceed_the_budget_or_a_cap_and_leave_nothing_idle(total, caps):
+    shares = split_budget(total, caps)
+    assert set(shares) == set(caps)
+    if total >= len(caps):
+        assert sum(shares.values()) <= total
+    assert all(shares[k] <= c for k, c in caps.items() if c is not None)
+    uncapped = [k for k, c in caps.items() if c is None or shares[k] < c]
+    if uncapped:  # what the capped groups leave goes to the others, up to rounding
+        assert total - sum(shares.values()) < len(caps)
