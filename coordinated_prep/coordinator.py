@@ -41,11 +41,11 @@ from coordinated_prep.sources import open_source
 from coordinated_prep.sources.fingerprint import Fingerprint, index_fingerprint
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.staging import SlotState, StagingBuffer
+from coordinated_prep.watch import ProcessWatch, trial_of
 
 logger = logging.getLogger(__name__)
 
 _PRODUCER_CHECK_S = 10.0  # the producer re-checks its state at least this often (liveness)
-_WATCH_S = 1.0  # a consumer's process is looked at again this long after it last answered
 
 
 @ray.remote(num_cpus=0, max_concurrency=10_000)
@@ -71,10 +71,11 @@ class Coordinator:
         self.buffer = StagingBuffer(budget_bytes, self.plan.next_join_point, lookahead)
         self.actors = actors
         self.max_in_flight = 2 * n_actors  # keep every actor busy while one result travels back
-        self.watchers: dict[str, asyncio.Task] = {}  # consumer -> the task watching its trial's process
-        self.actor_ids: dict[str, str] = {}  # consumer -> its trial's Tune actor id
         self.in_flight = 0
+        self.tasks: dict[int, ray.ObjectRef] = {}  # piece -> its prep task's timing reference, while in flight
         self.changed = asyncio.Condition()
+        self.watch = ProcessWatch(lambda t, k: self.buffer.is_current(t, k) and not self.closed, self._released,
+                                  self.changed)
         self.closed = False
         self.fatal: BaseException | None = None  # an unexpected producer failure, re-raised to every trial
         self.blocked_since: float | None = None  # since when the lease has been running (see lease_holders)
@@ -121,7 +122,10 @@ class Coordinator:
         self.evicted.pop(trial, None)
         self.stats["trials_joined"] += 1
         if process is not None and process_id is not None:
-            self._watch(trial, token, process, process_id)
+            for other in self.watch.add(trial, token, process, process_id):
+                logger.info("group %s: Tune reused the actor of %s for trial %s; %s released",
+                            self.spec.group_key, other, trial, other)
+                self.buffer.leave(other)
         logger.info("trial %s joined group %s at piece %d", trial, self.spec.group_key, start)
         await self._notify()
         return {"token": token, "start": start, "chunks_per_epoch": self.plan.chunks_per_epoch,
@@ -191,13 +195,19 @@ class Coordinator:
 
     async def leave_trial(self, trial: str) -> None:
         """Unregister every consumer of Tune trial ``trial`` (each of its loaders)."""
-        for consumer in [c for c in self.buffer.consumers if _trial_of(c) == trial]:
+        for consumer in [c for c in self.buffer.consumers if trial_of(c) == trial]:
             await self.leave(consumer)
 
     async def skip_to(self, trial: str, token: int, g: int) -> None:
         """``trial`` (incarnation ``token``) passes over its pieces below ``g``: one call, no waiting."""
         released = self.buffer.skip_to(trial, token, g)
         self.stats["pieces_passed"] += len(released)
+        await self._notify()
+
+    async def _released(self, trial: str, token: int) -> None:
+        """The watch saw ``trial``'s process end: it leaves now, not when the lease runs out."""
+        self.buffer.leave(trial, token)
+        self.stats["released_dead"] += 1
         await self._notify()
 
     async def set_budget(self, budget_bytes: int) -> None:
@@ -222,6 +232,8 @@ class Coordinator:
     async def close(self, drain_timeout_s: float = 10.0) -> None:
         """Stop producing, let in-flight pieces land (bounded), drop every piece (the pool lives on)."""
         self.closed = True
+        for ref in self.tasks.values():  # pieces nobody will read: a task still queued on the pool never runs
+            ray.cancel(ref)
         await self._notify()
         try:
             async with self.changed:
@@ -229,8 +241,7 @@ class Coordinator:
         except asyncio.TimeoutError:
             logger.warning("%s: %d pieces still in flight at close", self.name, self.in_flight)
         self.buffer.clear()
-        for task in self.watchers.values():
-            task.cancel()
+        self.watch.close()
         await self._notify()
         metrics.set_gauge("consumers", 0, group=self.group)  # the gauges outlive this actor in the agent
 
@@ -285,6 +296,7 @@ class Coordinator:
         actor = self.actors[g % len(self.actors)]
         timing_ref, chunk_ref = actor.prepare.options(num_returns=2).remote(self.spec, epoch, self.plan.chunk_samples(g))
         self.in_flight += 1
+        self.tasks[g] = timing_ref
         task = asyncio.get_running_loop().create_task(self._settle(slot.g, timing_ref, chunk_ref))
         self.settling.add(task)
         task.add_done_callback(self.settling.discard)
@@ -314,53 +326,12 @@ class Coordinator:
         self._end_stall()
         self.changed.notify_all()  # we hold the condition's lock here
 
-    # -- watching consumers' processes --------------------------------------------------------
-    def _watch(self, consumer: str, token: int, process: Any, actor_id: str) -> None:
-        """Start watching the Tune actor ``consumer`` runs in; a reused actor releases its old trial."""
-        for other, other_id in list(self.actor_ids.items()):
-            if other_id == actor_id and _trial_of(other) != _trial_of(consumer) and other in self.buffer.consumers:
-                logger.info("group %s: trial %s runs in the actor trial %s ran in (Tune reused it): %s released",
-                            self.spec.group_key, _trial_of(consumer), _trial_of(other), other)
-                self.buffer.leave(other)
-        old = self.watchers.pop(consumer, None)
-        if old is not None:
-            old.cancel()
-        self.actor_ids[consumer] = actor_id
-        self.watchers[consumer] = asyncio.get_running_loop().create_task(self._watch_loop(consumer, token, process))
-
-    async def _watch_loop(self, consumer: str, token: int, process: Any) -> None:
-        """Release ``consumer`` as soon as its process ends (Tune paused, stopped or lost the trial).
-
-        A call on the trial's actor queues behind its running ``train`` call and fails at once when
-        the actor dies; while the actor lives it answers between two results. So the watch costs
-        one tiny call per reported result at most, and a death is seen within seconds.
-        """
-        while self.buffer.is_current(consumer, token) and not self.closed:
-            try:
-                await process.__ray_ready__.remote()
-            except ray.exceptions.RayActorError:
-                if self.buffer.is_current(consumer, token):
-                    self.buffer.leave(consumer, token)
-                    self.stats["released_dead"] += 1
-                    logger.info("group %s: the process of trial %s ended (paused, stopped or lost); released",
-                                self.spec.group_key, consumer)
-                    await self._notify()
-                return
-            except Exception as e:  # noqa: BLE001 (cannot watch it: the registry and the lease still apply)
-                logger.warning("group %s: cannot watch trial %s's process: %r", self.spec.group_key, consumer, e)
-                return
-            async with self.changed:  # look again after a while, or stop as soon as it leaves
-                try:
-                    await asyncio.wait_for(self.changed.wait_for(lambda: not self.buffer.is_current(consumer, token)
-                                                                 or self.closed), _WATCH_S)
-                except asyncio.TimeoutError:
-                    pass
-        self.watchers.pop(consumer, None)
-
     async def _settle(self, g: int, timing_ref: ray.ObjectRef, chunk_ref: ray.ObjectRef) -> None:
         try:
             timing = await timing_ref
         except Exception as e:  # the prep task failed for good (bad sample, retries exhausted)
+            if self.closed:
+                return  # cancelled by close(): not a failure (the finally clause still counts it down)
             if g in self.buffer.slots:
                 self.buffer.mark_failed(g, _root_cause(e))
             self.stats["pieces_failed"] += 1
@@ -390,6 +361,7 @@ class Coordinator:
             self.stats["cache_hits"] += timing.cache_hits
         finally:
             self.in_flight -= 1
+            self.tasks.pop(g, None)
             await self._notify()
 
     def _settled_or_gone(self, trial: str, token: int, g: int) -> bool:
@@ -403,11 +375,6 @@ class Coordinator:
         metrics.set_gauge("consumers", len(self.buffer.consumers), group=self.group)
         async with self.changed:
             self.changed.notify_all()
-
-
-def _trial_of(consumer: str) -> str:
-    """The Tune trial id of a consumer id (``<trial>`` or ``<trial>#<k>`` for its k-th loader)."""
-    return consumer.split("#", 1)[0]
 
 
 def _root_cause(error: BaseException) -> BaseException:
