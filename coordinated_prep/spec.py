@@ -82,7 +82,7 @@ class PipelineSpec:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], where: str = "pipeline") -> "PipelineSpec":
         """Build from a plain mapping (YAML or a Python dict), rejecting unknown keys by name."""
-        return cls(**_known_keys(cls, values, where))
+        return cls(**known_keys(cls, values, where))
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ class DataSpec:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], where: str = "data") -> "DataSpec":
         """Build from a plain mapping (YAML or a Python dict), rejecting unknown keys by name."""
-        known = _known_keys(cls, values, where)
+        known = known_keys(cls, values, where)
         if isinstance(known.get("pipeline"), Mapping):
             known["pipeline"] = PipelineSpec.from_mapping(known["pipeline"], f"{where}.pipeline")
         return cls(**known)
@@ -201,7 +201,8 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 _MOVED = {"prep_actors": "actors", "staging_fraction": "staging_fraction"}
 
 
-def _known_keys(cls: type, values: Mapping[str, Any], where: str) -> dict[str, Any]:
+def known_keys(cls: type, values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``values`` as keyword arguments of dataclass ``cls``; an unknown or moved key is a ConfigError naming it."""
     if not isinstance(values, Mapping):
         raise ConfigError(f"{where} must be a mapping, got {type(values).__name__}")
     moved = sorted(set(values) & set(_MOVED)) if cls is DataSpec else []

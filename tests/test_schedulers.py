@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from ray.tune.experiment import Trial
 from ray.tune.schedulers import HyperBandScheduler as RayHyperBand
@@ -21,15 +23,21 @@ class _Controller:
         trial.set_status(Trial.TERMINATED)
 
 
-def _end_of_first_bracket(cls: type) -> tuple[_Controller, Trial]:
-    """Three trials in HyperBand's first bracket (max_t 4: no halving). The first to reach 4 is
-    paused; the other two then end by completing (their last result arrives as they end)."""
+def _first_bracket(cls: type) -> tuple[Any, _Controller, list[Trial]]:
+    """HyperBand (max_t 4, factor 2) and its first bracket's three trials, running (no halving there)."""
     scheduler = cls(time_attr="training_iteration", max_t=4, reduction_factor=2, metric="score", mode="max")
     controller = _Controller()
     trials = [Trial("__fake", stub=True, trial_id=f"t{i}") for i in range(3)]
     for t in trials:
         scheduler.on_trial_add(controller, t)
         t.set_status(Trial.RUNNING)
+    return scheduler, controller, trials
+
+
+def _end_of_first_bracket(cls: type) -> tuple[_Controller, Trial]:
+    """The first trial to reach 4 is paused; the other two then end by completing (their last
+    result arrives as they end)."""
+    scheduler, controller, trials = _first_bracket(cls)
     first, *others = trials
     for t in trials:
         scheduler.on_trial_result(controller, t, {"training_iteration": 3, "score": 1.0})
@@ -53,12 +61,7 @@ def test_the_fixed_hyperband_stops_it():
 
 @pytest.mark.parametrize("cls", [RayHyperBand, HyperBandScheduler])
 def test_a_last_result_through_on_trial_result_stops_it_in_both(cls):
-    scheduler = cls(time_attr="training_iteration", max_t=4, reduction_factor=2, metric="score", mode="max")
-    controller = _Controller()
-    trials = [Trial("__fake", stub=True, trial_id=f"t{i}") for i in range(3)]
-    for t in trials:
-        scheduler.on_trial_add(controller, t)
-        t.set_status(Trial.RUNNING)
+    scheduler, controller, trials = _first_bracket(cls)
     scheduler.on_trial_result(controller, trials[0], {"training_iteration": 4, "score": 1.0})
     trials[0].set_status(Trial.PAUSED)
     scheduler.on_trial_result(controller, trials[1], {"training_iteration": 4, "score": 1.0})

@@ -65,13 +65,9 @@ class PoolSpec:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], where: str = "pool") -> "PoolSpec":
         """Build from a plain mapping (YAML), rejecting unknown keys by name."""
-        if not isinstance(values, Mapping):
-            raise ConfigError(f"{where} must be a mapping such as {{actors: 2, cpus: 1}}, got {values!r}")
-        allowed = ["actors", "cpus", "staging_fraction", "staging_bytes", "start_timeout_s"]
-        unknown = sorted(set(values) - set(allowed))
-        if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed keys are {allowed}")
-        return cls(**values)
+        from coordinated_prep.spec import known_keys
+
+        return cls(**known_keys(cls, values, where))
 
 
 def split_budget(total: int, caps: Mapping[str, int | None]) -> dict[str, int]:
