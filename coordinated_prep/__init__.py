@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import CacheError, ConfigError, CoordinatedPrepError, DatasetError, PrepError, SampleError
+from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.spec import DataSpec, PipelineSpec
 
 if TYPE_CHECKING:
@@ -23,6 +24,7 @@ __all__ = [
     "DataSpec",
     "DatasetError",
     "PipelineSpec",
+    "PoolSpec",
     "PrepError",
     "SampleError",
     "TrainLoader",

@@ -15,8 +15,7 @@ import ray
 from ray import tune
 from ray.tune.schedulers import PopulationBasedTraining
 
-from coordinated_prep import CoordinatedSearcher, DataSpec, train_loader
-from coordinated_prep.pool import PoolSpec
+from coordinated_prep import CoordinatedSearcher, DataSpec, PoolSpec, train_loader
 from coordinated_prep.schedulers import HyperBandScheduler  # Ray's hangs at a bracket's end (see there)
 from tests.conftest import live_coordprep_actors, plasma_objects
 from tests.harness import check_trial_records, sample_digests
