@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler
 
