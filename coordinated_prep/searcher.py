@@ -173,11 +173,14 @@ class CoordinatedSearcher(SearchAlgorithm):
         if self._registry is not None:
             return
         context = ray.get_runtime_context()
-        job = self.session = context.get_job_id()  # every trial of the sweep runs in this job: they find the registry by it
+        # Every trial of the sweep runs in the driver's Ray job and finds the registry by its id; a
+        # restored searcher finds its twin's registry (get_if_exists). It lives on the driver's node,
+        # as long as the driver.
+        job = self.session = context.get_job_id()
         registry = GroupRegistry.options(
-            name=registry_name(job), namespace=NAMESPACE, get_if_exists=True,  # a restored searcher's twin
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=context.get_node_id(), soft=False),  # lives
-        ).remote(job, self._cache, self._pool)  # as long as the driver
+            name=registry_name(job), namespace=NAMESPACE, get_if_exists=True,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=context.get_node_id(), soft=False),
+        ).remote(job, self._cache, self._pool)
         # Blocking on purpose: the pools must hold their CPUs before Tune places trials on them.
         try:
             pools = ray.get(registry.start.remote(), timeout=self._pool.start_timeout_s + _CALL_TIMEOUT_S)
