@@ -8,7 +8,7 @@ import pytest
 from ray import tune
 
 from coordinated_prep import CoordinatedSearcher, DataSpec
-from tests.conftest import REPO, live_coordprep_actors, plasma_objects
+from tests.conftest import REPO, live_coordprep_actors, plasma_objects, plasma_objects_settled
 from tests.harness import check_trial_records
 from tests.recording import load_records, record
 from tests.utils import make_imagefolder
@@ -45,4 +45,4 @@ def test_large_batches_in_a_small_object_store_finish_within_the_budget(small_st
     sizes = {t.trial_id: t.config["batch_size"] for t in analysis.trials}
     for trial, epochs in load_records(str(tmp_path / "rec")).items():
         check_trial_records(spec, epochs, sizes[trial], trial)
-    assert live_coordprep_actors() == [] and plasma_objects() == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
