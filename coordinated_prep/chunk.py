@@ -95,3 +95,20 @@ def prepare_chunk(
     ids = np.asarray(kept, dtype=np.int64)
     chunk = PreparedChunk(images, source.labels[ids], ids, epoch)
     return chunk, ChunkTiming(fetch_s, transform_s, tuple(skipped))
+
+
+def eval_chunk(source: DataSource, preprocessor: Preprocessor, indices: np.ndarray) -> PreparedChunk:
+    """Read, decode, resize and centre-crop the held-out samples ``indices`` (deterministic; epoch -1).
+
+    Raises:
+        SampleError: A sample's file cannot be read or decoded; names the index and the file.
+    """
+    images = []
+    for index in indices.tolist():
+        data = source.read(index)
+        try:
+            images.append(preprocessor.eval(data))
+        except Exception as e:  # decoders raise RuntimeError/ValueError/OSError: name the file
+            raise SampleError(index, source.describe(index), f"cannot decode or transform: {e}") from e
+    ids = np.asarray(indices, dtype=np.int64)
+    return PreparedChunk(np.stack(images), source.labels[ids], ids, -1)

@@ -19,6 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("experiment", help="path of the sweep's YAML file, e.g. experiments/default.yaml")
     sweep.add_argument("--dry-run", action="store_true", help="validate the file and stop before Ray starts")
     sweep.add_argument("--verbose", type=int, default=1, choices=(0, 1, 2), help="Tune's progress verbosity")
+    sweep.add_argument("--resume", action="store_true",
+                       help="resume the interrupted sweep saved under <storage_path>/<name>: unfinished and errored "
+                            "trials go on from their last checkpoints")
     analyze = sub.add_parser("analyze", help="measure the experiment's input pipeline: stalls and what-if predictions")
     analyze.add_argument("experiment", help="path of the sweep's YAML file")
     analyze.add_argument("--out", help="directory for analysis.json and analysis.png "
@@ -67,8 +70,11 @@ def _sweep(args: argparse.Namespace) -> int:
     from coordinated_prep.sweep.runner import run_sweep
     from coordinated_prep.sweep.summary import format_summary
 
-    summary = run_sweep(cfg, verbose=args.verbose)
+    summary = run_sweep(cfg, verbose=args.verbose, resume=args.resume)
     sys.stdout.write("\n" + format_summary(summary) + f"\n\nSummary written to {summary['path']}\n")
+    if summary.get("interrupted"):
+        sys.stdout.write(f"The sweep was interrupted; resume it with: coordprep sweep {args.experiment} --resume\n")
+        return 1
     return 0 if all(t["status"] != "ERROR" for t in summary["trials"]) else 1
 
 

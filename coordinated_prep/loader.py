@@ -15,11 +15,9 @@ import numpy as np
 import torch
 
 from coordinated_prep import metrics
-from coordinated_prep.backends import make_preprocessor
 from coordinated_prep.chunk import PreparedChunk
 from coordinated_prep.errors import ConfigError
-from coordinated_prep.plan import holdout_split
-from coordinated_prep.sources import open_source
+from coordinated_prep.eval_stream import private_eval_pieces, shared_eval_pieces
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.streams import PieceStream, PrivateStream, SharedStream
 
@@ -144,18 +142,8 @@ class TrainLoader:
         first = self._stream.start + epoch * self._stream.chunks_per_epoch
         if self._stream.position < first:  # the previous epoch was cut short (break, max steps)
             self._stream.skip_to(first)  # its rest is passed over, so this epoch is again exactly one pass
-        pending: list[PreparedChunk] = []  # pieces (or their tails) not yet put into a batch
-        have = 0
-        for _ in range(self._stream.chunks_per_epoch):
-            piece = self._stream.next_piece()
-            pending.append(piece)
-            have += len(piece.labels)
-            while have >= self.batch_size:
-                batch, pending = _take(pending, self.batch_size)
-                have -= self.batch_size
-                yield batch
-        if have:
-            yield _take(pending, have)[0]
+        pieces = (self._stream.next_piece() for _ in range(self._stream.chunks_per_epoch))
+        yield from _batched(pieces, self.batch_size)
 
     def close(self) -> None:
         """Leave the data group now instead of when Tune reports the trial finished."""
@@ -166,6 +154,21 @@ class TrainLoader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _batched(pieces: Iterator[PreparedChunk], batch_size: int) -> Iterator[Batch]:
+    """Batches of ``batch_size`` cut from ``pieces`` in order; the last may be smaller."""
+    pending: list[PreparedChunk] = []  # pieces (or their tails) not yet put into a batch
+    have = 0
+    for piece in pieces:
+        pending.append(piece)
+        have += len(piece.labels)
+        while have >= batch_size:
+            batch, pending = _take(pending, batch_size)
+            have -= batch_size
+            yield batch
+    if have:
+        yield _take(pending, have)[0]
 
 
 def _take(pending: list[PreparedChunk], n: int) -> tuple[Batch, list[PreparedChunk]]:
@@ -245,16 +248,24 @@ def train_loader(
 
 
 def eval_loader(config: Mapping[str, Any] | DataSpec, batch_size: int, *, key: str = "data") -> Iterator[Batch]:
-    """Batches of the held-out split in index order, resized and centre-cropped in this process."""
+    """Batches of the held-out split in index order, resized and centre-cropped (``stream_epochs`` -1).
+
+    In a Tune trial of a :class:`~coordinated_prep.CoordinatedSearcher` sweep with
+    ``coordinated=True``, the split is prepared once for the whole sweep per evaluation pipeline
+    (dataset, holdout, size, eval_resize, backend) by the node's prep pool and read by every trial
+    from the object store (:mod:`coordinated_prep.eval_set`); otherwise this process prepares it.
+    The bytes are the same either way.
+
+    Raises:
+        ConfigError: Bad batch size or no DataSpec in the config.
+        PrepError: A held-out sample cannot be prepared (names the trial and the file).
+    """
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ConfigError(f"eval_loader: batch_size={batch_size!r} must be a positive integer")
     spec = resolve_spec(config, key)
-    source = open_source(spec.dataset)
-    preprocessor = make_preprocessor(spec.pipeline)  # type: ignore[arg-type]
-    _, held = holdout_split(len(source), spec.holdout)
-    for lo in range(0, len(held), batch_size):
-        ids = held[lo : lo + batch_size]
-        images = np.stack([preprocessor.eval(source.read(int(i))) for i in ids])
-        yield Batch(torch.from_numpy(images), torch.from_numpy(source.labels[ids]), torch.from_numpy(ids),
-                    torch.full((len(ids),), -1, dtype=torch.int64))
+    trial = _current_trial_id(required=False)
+    shared = spec.coordinated and trial != _OUTSIDE_TUNE
+    yield from _batched(shared_eval_pieces(spec, trial) if shared else private_eval_pieces(spec), batch_size)
 
 
 def _current_trial_id(required: bool = True) -> str:

@@ -22,6 +22,8 @@ metrics export port (Ray adds its ``ray_`` prefix there; counters gain ``_total`
 | ``coordprep_cache_bytes`` | gauge | node | node cache: encoded bytes held |
 | ``coordprep_cache_capacity_bytes`` | gauge | node | node cache |
 | ``coordprep_storage_reads`` | counter | node, reader | samples read from storage by a ``cache`` or a ``prep`` actor |
+| ``coordprep_eval_samples_prepared`` | counter | pipeline | registry: held-out samples its prep pools prepared |
+| ``coordprep_eval_samples_served`` | counter | pipeline | registry: held-out samples handed to trials' evaluations |
 
 Metric objects are created lazily in the process that records them, and recording never
 raises: metrics are an observer, not a dependency. Each process exports on Ray's report interval
@@ -58,6 +60,9 @@ DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "cache_capacity_bytes": ("gauge", "The node cache's capacity", ("node",)),
     "storage_reads": ("counter", "Samples read from storage, by a node cache or by a prep actor itself",
                       ("node", "reader")),
+    "eval_samples_prepared": ("counter", "Held-out samples prepared for evaluation (once per pipeline when "
+                              "resident)", ("pipeline",)),
+    "eval_samples_served": ("counter", "Held-out samples handed to trials' evaluations", ("pipeline",)),
 }
 
 

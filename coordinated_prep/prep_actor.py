@@ -11,8 +11,9 @@ from coordinated_prep.backends import make_preprocessor
 from coordinated_prep.cache.layout import CacheLayout
 from coordinated_prep.cache.reader import CachedSource
 from coordinated_prep.cache.spec import CacheSpec
-from coordinated_prep.chunk import ChunkTiming, PreparedChunk, prepare_chunk
+from coordinated_prep.chunk import ChunkTiming, PreparedChunk, eval_chunk, prepare_chunk
 from coordinated_prep.contracts import DataSource, Preprocessor
+from coordinated_prep.plan import holdout_split
 from coordinated_prep.sources import open_source
 from coordinated_prep.spec import DataSpec, PipelineSpec
 
@@ -62,6 +63,23 @@ class PrepActor:
             reads = len(indices)
         return timing._replace(finished_at=time.time(), cpu_s=time.process_time() - cpu, storage_reads=reads,
                                cache_hits=hits), chunk
+
+    def held_out(self, spec: DataSpec) -> np.ndarray:
+        """The held-out indices of ``spec``'s dataset, in index order (the dataset opened here, once)."""
+        source, _ = self._source(spec.dataset)
+        return holdout_split(len(source), spec.holdout)[1]
+
+    def prepare_eval(self, spec: DataSpec, indices: np.ndarray) -> PreparedChunk:
+        """Prepare held-out samples for evaluation: decode, resize, centre crop (no randomness).
+
+        The same function per sample as an unshared trial's ``eval_loader``, so the bytes are equal.
+
+        Raises:
+            SampleError: A sample cannot be read or decoded; names the index and the file.
+        """
+        source, _ = self._source(spec.dataset)
+        preprocessor = self._preprocessor(spec.pipeline)  # type: ignore[arg-type]
+        return eval_chunk(source, preprocessor, indices)
 
     def _source(self, dataset: str) -> tuple[DataSource, CachedSource | None]:
         if dataset not in self._sources:

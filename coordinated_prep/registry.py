@@ -3,6 +3,7 @@
 Ownership chain, top to bottom (each owner's death takes what it owns with it):
 CoordinatedSearcher (driver) -> GroupRegistry -> NodePool per node (prep actors, staging budget)
                                               -> Coordinator per group and node -> pieces;
+GroupRegistry -> EvalSet per evaluation pipeline -> resident evaluation pieces (until shutdown);
 GroupRegistry -> RawCache per node (when the sweep has a cache) -> cached samples.
 """
 
@@ -22,7 +23,9 @@ from coordinated_prep.cache.layout import CacheLayout
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.cache.start import start_caches
 from coordinated_prep.coordinator import Coordinator
+from coordinated_prep import metrics
 from coordinated_prep.errors import PrepError
+from coordinated_prep.eval_set import EvalSet, eval_key, eval_pieces, resident_prefix
 from coordinated_prep.naming import NAMESPACE
 from coordinated_prep.pool.node import NodePool, node_table
 from coordinated_prep.pool.spec import PoolSpec, split_budget
@@ -78,6 +81,8 @@ class GroupRegistry:
         self._incarnation = itertools.count()
         self._locks: dict[str, asyncio.Lock] = {}
         self._indexes: dict[str, tuple[str, Fingerprint]] = {}  # dataset -> (first node, its index's fingerprint)
+        self._evals: dict[str, EvalSet] = {}  # eval_key -> the held-out split prepared for the sweep
+        self._eval_turn = itertools.count()  # round robin of evaluation pieces over a pool's actors
 
     async def start(self) -> dict[str, int]:
         """Start a prep pool on every live node with CPUs and wait until each is ready (warm start).
@@ -127,6 +132,38 @@ class GroupRegistry:
             await self._destroy(key, group)
             await self._split(group.node)
 
+    async def eval_plan(self, spec: DataSpec, trial: str, node: str | None = None) -> dict[str, Any]:
+        """One evaluation of ``trial`` with ``spec``'s pipeline: the resident pieces' references and
+        the number of pieces (those past the resident ones come from :meth:`eval_piece`).
+
+        The first call for a pipeline starts its preparation on ``node``'s pool (see
+        :mod:`coordinated_prep.eval_set`); every later one, from any trial, prepares nothing.
+        """
+        node = node or ray.get_runtime_context().get_node_id()
+        key = eval_key(spec)
+        async with self._locks.setdefault(key, asyncio.Lock()):  # one preparation per pipeline
+            if key not in self._evals:
+                self._evals[key] = await self._start_eval(key, spec, node)
+        found = self._evals[key]
+        plan = found.plan()
+        found.evaluations += 1
+        found.samples_served += plan["samples"]
+        metrics.inc("eval_samples_served", plan["samples"], pipeline=key)
+        logger.debug("trial %s evaluates with %s", trial, key)
+        return plan
+
+    async def eval_piece(self, key: str, i: int) -> dict[str, Any]:
+        """Evaluation piece ``i`` of ``key``, prepared now for one reader (it is past the resident ones)."""
+        found = self._evals[key]
+        indices = found.pieces[i]
+        found.samples_prepared += len(indices)
+        metrics.inc("eval_samples_prepared", len(indices), pipeline=key)
+        return {"ref": self._prepare_eval(found, indices)}
+
+    async def eval_reports(self) -> dict[str, dict[str, Any]]:
+        """Per evaluation pipeline: held-out samples, resident pieces, prepared against served."""
+        return {key: found.report() for key, found in self._evals.items()}
+
     async def reports(self) -> dict[str, dict[str, Any]]:
         """Per group: counters summed over its coordinators so far, live ones included."""
         out = copy.deepcopy(self._finished)  # live coordinators are merged into a copy, not the totals
@@ -141,6 +178,7 @@ class GroupRegistry:
     async def pools(self) -> dict[str, dict[str, Any]]:
         """Per node: prep actors, reserved CPUs, staging budget, and each live group's share of it."""
         return {node: {"prep_actors": len(p.actors), "reserved_cpus": p.reserved_cpus, "budget_bytes": p.budget_bytes,
+                       "eval_resident_bytes": self._eval_bytes(node),
                        "groups": {k: self._share(node, k, p) for k, g in self._groups.items() if g.node == node}}
                 for node, p in self._pools.items()}
 
@@ -163,6 +201,7 @@ class GroupRegistry:
         for key, group in list(self._groups.items()):  # groups whose coordinators were replaced
             del self._groups[key]
             await self._destroy(key, group)
+        self._evals.clear()  # the resident evaluation pieces are freed with their references
         for pool in self._pools.values():
             pool.kill()
         self._pools.clear()
@@ -228,10 +267,38 @@ class GroupRegistry:
         return pool
 
     def _share(self, node: str, key: str, pool: NodePool) -> int:
-        """Group ``key``'s share of ``node``'s staging budget, the group counted in."""
+        """Group ``key``'s share of ``node``'s staging budget (less its resident evaluation pieces),
+        the group counted in."""
         caps = {k: g.spec.staging_bytes for k, g in self._groups.items() if g.node == node}
         caps.setdefault(key, self._groups[key].spec.staging_bytes if key in self._groups else None)
-        return max(split_budget(pool.budget_bytes, caps)[key], 1)
+        return max(split_budget(pool.budget_bytes - self._eval_bytes(node), caps)[key], 1)
+
+    def _eval_bytes(self, node: str) -> int:
+        """Bytes the resident evaluation pieces hold in ``node``'s object store."""
+        return sum(e.resident_bytes for e in self._evals.values() if e.node == node)
+
+    async def _start_eval(self, key: str, spec: DataSpec, node: str) -> EvalSet:
+        """Cut the held-out split into pieces and start preparing the resident ones on ``node``."""
+        pool = await self._pool(node)
+        held = await asyncio.wait_for(pool.actors[0].held_out.remote(spec), spec.fetch_timeout_s)
+        found = EvalSet(key, spec, node, eval_pieces(held, spec.chunk_size))
+        allowance = int(pool.budget_bytes * self._pool_spec.eval_fraction) - self._eval_bytes(node)
+        per_sample = spec.pipeline.sample_bytes  # type: ignore[union-attr]
+        resident = resident_prefix([len(p) * per_sample for p in found.pieces], max(allowance, 0))
+        found.refs = [self._prepare_eval(found, p) for p in found.pieces[:resident]]
+        prepared = sum(len(p) for p in found.pieces[:resident])
+        found.samples_prepared += prepared
+        metrics.inc("eval_samples_prepared", prepared, pipeline=key)
+        logger.info("evaluation set %s: %d held-out samples in %d pieces on node %s, %d resident (%d bytes)",
+                    key, len(held), len(found.pieces), node, resident, found.resident_bytes)
+        if resident:
+            await self._split(node)  # the node's groups share what the resident pieces leave
+        return found
+
+    def _prepare_eval(self, found: EvalSet, indices: Any) -> ray.ObjectRef:
+        """Submit one evaluation piece to its node's pool; the registry owns the result."""
+        actors = self._pools[found.node].actors
+        return actors[next(self._eval_turn) % len(actors)].prepare_eval.remote(found.spec, indices)
 
     async def _split(self, node: str, except_key: str | None = None) -> None:
         """Tell every coordinator of ``node`` its share of the node's budget (after a group came or went)."""

@@ -155,6 +155,27 @@ class CoordinatedSearcher(SearchAlgorithm):
             return {}
         return ray.get(self._registry.pools.remote(), timeout=_CALL_TIMEOUT_S)
 
+    def eval_reports(self) -> dict[str, dict[str, Any]]:
+        """Per evaluation pipeline: held-out samples prepared (once, when resident) against served."""
+        if self._registry is None:
+            return {}
+        return ray.get(self._registry.eval_reports.remote(), timeout=_CALL_TIMEOUT_S)
+
+    def attach(self) -> bool:
+        """Take over this driver's running registry, if there is one; returns whether there was.
+
+        ``Tuner.restore`` rebuilds the searcher it saved, and that copy starts or finds the registry.
+        A twin created with the same arguments attaches to it to read its reports and close it.
+        """
+        if self._registry is None:
+            job = ray.get_runtime_context().get_job_id()
+            try:
+                self._registry = ray.get_actor(registry_name(job), namespace=NAMESPACE)
+                self.session = job
+            except ValueError:
+                return False
+        return True
+
     def cache_reports(self) -> dict[str, dict[str, Any]]:
         """Per node: the raw-data cache's hits (local, remote), misses, storage reads and bytes held."""
         if self._registry is None or self._cache is None:

@@ -104,16 +104,7 @@ class SharedStream:
         self._trial = consumer
         self._fallback: PrivateStream | None = None  # set when the lease detaches this trial
         self._timeout = spec.fetch_timeout_s
-        job = ray.get_runtime_context().get_job_id()  # the driver's: it runs the sweep and its registry
-        try:
-            registry = ray.get_actor(registry_name(job), namespace=NAMESPACE)
-        except ValueError:
-            raise ConfigError(
-                f"trial {trial}: config has a DataSpec with coordinated=True, but no CoordinatedSearcher runs this "
-                "sweep (no data-group registry in this Ray job): run it with search_alg=CoordinatedSearcher() "
-                "(tune.run or tune.TuneConfig) and keep the searcher open until the sweep ends, or set "
-                "coordinated=False"
-            ) from None
+        registry = find_registry(trial)
         node = ray.get_runtime_context().get_node_id()  # the group's coordinator on this node serves it
         self._coordinator = self._call(registry.group_for.remote(spec, trial, node), "finding its data group")
         process, process_id = _this_actor()  # the coordinator watches it: a paused trial's process ends
@@ -193,17 +184,40 @@ class SharedStream:
             pass  # the coordinator is gone or busy: the searcher's on_trial_complete removes us anyway
 
     def _call(self, ref: ray.ObjectRef, doing: str, timeout: float | None = None) -> Any:
-        try:
-            return ray.get(ref, timeout=timeout or self._timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise PrepError(f"trial {self._trial}: timed out after {timeout or self._timeout}s {doing}") from None
-        except ray.exceptions.RayTaskError as e:
-            cause = e.cause if isinstance(getattr(e, "cause", None), PrepError) else e
-            raise PrepError(f"trial {self._trial}: {doing} failed: {cause}") from e
-        except ray.exceptions.RayActorError as e:
-            raise PrepError(f"trial {self._trial}: the group's coordinator died while {doing}: {e}") from e
-        except ray.exceptions.RayError as e:  # e.g. the piece was lost with its owner
-            raise PrepError(f"trial {self._trial}: {doing} failed: {e}") from e
+        return fetch(ref, self._trial, doing, timeout or self._timeout)
+
+
+def find_registry(trial: str) -> Any:
+    """The sweep's group registry, found by this Ray job (the driver's, which runs the sweep).
+
+    Raises:
+        ConfigError: No CoordinatedSearcher runs this sweep.
+    """
+    job = ray.get_runtime_context().get_job_id()
+    try:
+        return ray.get_actor(registry_name(job), namespace=NAMESPACE)
+    except ValueError:
+        raise ConfigError(
+            f"trial {trial}: config has a DataSpec with coordinated=True, but no CoordinatedSearcher runs this "
+            "sweep (no data-group registry in this Ray job): run it with search_alg=CoordinatedSearcher() "
+            "(tune.run or tune.TuneConfig) and keep the searcher open until the sweep ends, or set "
+            "coordinated=False"
+        ) from None
+
+
+def fetch(ref: ray.ObjectRef, trial: str, doing: str, timeout: float) -> Any:
+    """``ray.get(ref)`` within ``timeout``; any failure is a PrepError naming ``trial`` and what it was doing."""
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise PrepError(f"trial {trial}: timed out after {timeout}s {doing}") from None
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if isinstance(getattr(e, "cause", None), PrepError) else e
+        raise PrepError(f"trial {trial}: {doing} failed: {cause}") from e
+    except ray.exceptions.RayActorError as e:
+        raise PrepError(f"trial {trial}: the actor serving it died while {doing}: {e}") from e
+    except ray.exceptions.RayError as e:  # e.g. the piece was lost with its owner
+        raise PrepError(f"trial {trial}: {doing} failed: {e}") from e
 
 
 def _this_actor() -> tuple[Any, str | None]:

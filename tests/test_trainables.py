@@ -1,9 +1,36 @@
 """The ready trainables: models build at the configured width and the small CNN learns builtin:shapes."""
 
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
 import torch
 
 from coordinated_prep import DataSpec
 from trainables import REGISTRY, resnet, small_cnn
+
+
+class MemorySession:
+    """Keeps every report and the state saved with it; resumes from ``start`` if given."""
+
+    def __init__(self, start: dict[str, Any] | None = None) -> None:
+        self.start = start
+        self.reports: list[dict[str, Any]] = []
+        self.states: list[dict[str, Any]] = []
+
+    def restore(self) -> dict[str, Any] | None:
+        return self.start
+
+    def report(self, metrics: dict[str, Any], state: dict[str, Any]) -> None:
+        self.reports.append(metrics)
+        self.states.append(copy.deepcopy(state))
+
+
+def _config(**overrides: Any) -> dict[str, Any]:
+    return {"data": DataSpec(coordinated=False, pipeline={"size": 32}), "lr": 0.05, "batch_size": 32, "epochs": 3,
+            "width": 8, **overrides}
 
 
 def test_resnet18_width_is_configurable():
@@ -14,10 +41,45 @@ def test_resnet18_width_is_configurable():
 
 
 def test_small_cnn_learns_builtin_shapes_well_above_chance():
-    reports = []
+    session = MemorySession()
     config = {"data": DataSpec(coordinated=False, pipeline={"size": 48}), "lr": 0.05, "batch_size": 32,
               "epochs": 3, "width": 16}
-    small_cnn.fit(config, small_cnn.build, reports.append)
+    small_cnn.fit(config, small_cnn.build, session)
+    reports = session.reports
     assert [r["epoch"] for r in reports] == [1, 2, 3]
     assert reports[-1]["accuracy"] > 0.3, reports  # chance is 0.1 for ten classes
     assert all(0 <= r["stall_fraction"] <= 1 for r in reports)
+
+
+def test_a_resumed_trial_goes_on_from_its_checkpointed_epoch_and_schedule():
+    whole = MemorySession()
+    small_cnn.fit(_config(), small_cnn.build, whole)
+    assert [s["epoch"] for s in whole.states] == [1, 2, 3]
+    resumed = MemorySession(start=whole.states[0])
+    small_cnn.fit(_config(), small_cnn.build, resumed)
+    assert [r["epoch"] for r in resumed.reports] == [2, 3]
+    assert sum(r["samples"] for r in resumed.reports) == sum(r["samples"] for r in whole.reports[1:])
+    # The schedule went on from the checkpoint's step, not from its start.
+    assert resumed.states[-1]["scheduler"]["last_epoch"] == whole.states[-1]["scheduler"]["last_epoch"]
+    for mine, theirs in zip(resumed.states, whole.states[1:]):
+        assert mine["optimizer"]["param_groups"][0]["lr"] == pytest.approx(theirs["optimizer"]["param_groups"][0]["lr"])
+
+
+def test_a_pbt_exploit_keeps_the_schedule_scaled_to_the_new_learning_rate():
+    whole = MemorySession()
+    small_cnn.fit(_config(epochs=2), small_cnn.build, whole)
+    exploited = MemorySession(start=whole.states[0])  # another trial's state, this trial's doubled lr
+    small_cnn.fit(_config(epochs=2, lr=0.1, weight_decay=0.0), small_cnn.build, exploited)
+    [mine], theirs = exploited.states, whole.states[1]
+    assert mine["lr"] == 0.1
+    group = mine["optimizer"]["param_groups"][0]
+    assert group["max_lr"] == pytest.approx(0.1) and group["weight_decay"] == 0.0
+    assert group["lr"] == pytest.approx(2 * theirs["optimizer"]["param_groups"][0]["lr"])
+
+
+def test_a_checkpoint_of_the_last_epoch_trains_nothing():
+    whole = MemorySession()
+    small_cnn.fit(_config(epochs=1), small_cnn.build, whole)
+    again = MemorySession(start=whole.states[-1])
+    small_cnn.fit(_config(epochs=1), small_cnn.build, again)
+    assert again.reports == []

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import tempfile
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 from torch import nn
 
 from coordinated_prep import eval_loader, train_loader
+from coordinated_prep.errors import ConfigError
 from coordinated_prep.sources import open_source
 from coordinated_prep.loader import resolve_spec
 
+logger = logging.getLogger(__name__)
+
 MEAN, STD = 0.5, 0.25
+#: The file a checkpoint of :func:`fit` holds: ``torch.save`` of plain state dicts (loaded weights-only).
+STATE_FILE = "state.pt"
 
 
 def normalize(images: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -20,20 +28,63 @@ def normalize(images: torch.Tensor, device: torch.device) -> torch.Tensor:
     return images.to(device, non_blocking=True).float().div_(255.0).sub_(MEAN).div_(STD)
 
 
+class Session(Protocol):
+    """Where a trainable reports each epoch and finds the state it resumes from."""
+
+    def restore(self) -> dict[str, Any] | None:
+        """The state saved with the latest checkpoint (model, optimizer, schedule, epoch), or None."""
+
+    def report(self, metrics: dict[str, Any], state: dict[str, Any]) -> None:
+        """Report one epoch's metrics with the state to resume from after it."""
+
+
+class TuneSession:
+    """Ray Tune's: each epoch's state is a checkpoint (``tune.report(..., checkpoint=...)``), and a
+    retried, restored or PBT-exploited trial resumes from ``tune.get_checkpoint()``."""
+
+    def restore(self) -> dict[str, Any] | None:
+        from ray import tune
+
+        checkpoint = tune.get_checkpoint()
+        if checkpoint is None:
+            return None
+        with checkpoint.as_directory() as d:
+            path = os.path.join(d, STATE_FILE)
+            if not os.path.exists(path):
+                raise ConfigError(f"checkpoint {checkpoint.path}: no {STATE_FILE}; it was not written by "
+                                  "trainables.common.fit, so this trial cannot resume from it")
+            return torch.load(path, map_location="cpu", weights_only=True)
+
+    def report(self, metrics: dict[str, Any], state: dict[str, Any]) -> None:
+        from ray import tune
+
+        with tempfile.TemporaryDirectory(prefix="coordprep-ckpt-") as d:
+            torch.save(state, os.path.join(d, STATE_FILE))
+            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))  # Tune copies it to storage
+
+
 def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.Module],
-        report: Callable[[dict[str, Any]], None] | None = None) -> None:
+        session: Session | None = None) -> None:
     """Train ``build(num_classes, config)`` for ``config["epochs"]`` epochs and report each epoch.
 
     Config keys: ``data`` (a DataSpec), ``lr``, ``batch_size``, ``epochs``; optional ``momentum``
     (0.9), ``weight_decay`` (5e-4), ``torch_threads`` (1), ``eval_batch_size`` (256), ``model_seed`` (0).
     Reports ``epoch``, ``loss`` and ``accuracy`` on the held-out split, ``train_loss``,
     ``data_wait_s``, ``compute_s``, ``stall_fraction`` (share of the epoch spent waiting for data) and
-    ``private_samples`` (samples the trial prepared itself so far).
-    """
-    if report is None:
-        from ray import tune
+    ``private_samples`` (samples the trial prepared itself so far), with a checkpoint of the model,
+    optimizer, learning-rate schedule and epoch.
 
-        report = tune.report
+    A trial that finds a checkpoint (Tune retried it, restored the sweep, or PBT copied another
+    trial's state into it) resumes after the checkpoint's epoch: its loader declares only the epochs
+    left, and the schedule goes on from its step. When PBT changed ``lr``, the schedule keeps its
+    shape scaled to the new peak; a changed ``weight_decay`` applies from the next step.
+
+    Args:
+        config: The trial's config.
+        build: Builds the model.
+        session: Where epochs are reported and checkpoints kept; default :class:`TuneSession`.
+    """
+    session = session or TuneSession()
     torch.set_num_threads(int(config.get("torch_threads", 1)))
     torch.manual_seed(int(config.get("model_seed", 0)))  # reproducible initialisation per trial
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -41,12 +92,19 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
     model = build(len(open_source(spec.dataset).classes), config).to(device)
     optimizer = make_optimizer(model, config)
     epochs = int(config["epochs"])
+    state = session.restore()
+    done = int(state["epoch"]) if state else 0
+    if done >= epochs:
+        logger.info("the checkpoint is of epoch %d of %d: nothing left to train", done, epochs)
+        return
     loss_fn = nn.CrossEntropyLoss()
-    with train_loader(config, batch_size=int(config["batch_size"]), epochs=epochs) as loader:
+    with train_loader(config, batch_size=int(config["batch_size"]), epochs=epochs - done) as loader:
         scheduler = torch.optim.lr_scheduler.OneCycleLR(
             optimizer, max_lr=float(config["lr"]), total_steps=epochs * len(loader), pct_start=0.25
         )
-        for epoch in range(epochs):
+        if state:
+            _load(state, model, optimizer, scheduler, config)
+        for epoch in range(done, epochs):
             model.train()
             wait = compute = train_loss = 0.0
             seen = 0
@@ -64,9 +122,27 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
                 seen += len(batch)
                 compute += time.perf_counter() - t1
             eval_loss, accuracy = evaluate(model, config, device, loss_fn)
-            report({"epoch": epoch + 1, "loss": eval_loss, "accuracy": accuracy, "train_loss": train_loss / max(seen, 1),
-                    "samples": seen, "private_samples": loader.private_samples, "data_wait_s": wait, "compute_s": compute,
-                    "stall_fraction": wait / max(wait + compute, 1e-9)})
+            metrics = {"epoch": epoch + 1, "loss": eval_loss, "accuracy": accuracy,
+                       "train_loss": train_loss / max(seen, 1), "samples": seen,
+                       "private_samples": loader.private_samples, "data_wait_s": wait, "compute_s": compute,
+                       "stall_fraction": wait / max(wait + compute, 1e-9)}
+            session.report(metrics, {"epoch": epoch + 1, "lr": float(config["lr"]), "model": model.state_dict(),
+                                     "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
+
+
+def _load(state: Mapping[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
+          scheduler: torch.optim.lr_scheduler.LRScheduler, config: Mapping[str, Any]) -> None:
+    """Resume from ``state``, keeping this trial's hyperparameters where PBT changed them."""
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    scale = float(config["lr"]) / float(state["lr"])  # 1.0 unless PBT perturbed lr
+    for group in optimizer.param_groups:
+        for key in ("lr", "initial_lr", "max_lr", "min_lr"):
+            group[key] *= scale
+        group["weight_decay"] = float(config.get("weight_decay", 5e-4))
+    scheduler.base_lrs = [lr * scale for lr in scheduler.base_lrs]
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module, images: torch.Tensor,

@@ -28,6 +28,10 @@ class PoolSpec:
             overrides ``staging_fraction``.
         start_timeout_s: Longest wait for a node's pool to start (placed and imported) before the
             sweep fails with an error naming the node.
+        eval_fraction: Share of the node's staging budget that the sweep's evaluation sets (the
+            held-out split, prepared once per evaluation pipeline) may keep resident for the whole
+            sweep; what does not fit is prepared again at each evaluation and streamed in order.
+            The data groups share what the resident pieces leave.
     """
 
     actors: int | None = None
@@ -35,6 +39,7 @@ class PoolSpec:
     staging_fraction: float = 0.25
     staging_bytes: int | str | None = None
     start_timeout_s: float = 180.0
+    eval_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if self.actors is not None and (not isinstance(self.actors, int) or isinstance(self.actors, bool)
@@ -47,6 +52,10 @@ class PoolSpec:
             raise ConfigError(f"pool.staging_fraction={self.staging_fraction!r} must be in (0, 0.9]")
         if self.staging_bytes is not None:
             object.__setattr__(self, "staging_bytes", parse_bytes(self.staging_bytes, "pool.staging_bytes"))
+        if (not isinstance(self.eval_fraction, (int, float)) or isinstance(self.eval_fraction, bool)
+                or not 0.0 <= self.eval_fraction <= 0.9):
+            raise ConfigError(f"pool.eval_fraction={self.eval_fraction!r} must be in [0, 0.9] (0: evaluation "
+                              "pieces are never kept, each evaluation prepares them again)")
         if not isinstance(self.start_timeout_s, (int, float)) or self.start_timeout_s <= 0:
             raise ConfigError(f"pool.start_timeout_s={self.start_timeout_s!r} must be a positive number of seconds")
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 from coordinated_prep.cache.arena import remove_stale
+from coordinated_prep.errors import ConfigError
 from coordinated_prep.searcher import CoordinatedSearcher
 from coordinated_prep.sweep.config import SweepConfig
 from coordinated_prep.sweep.summary import build_summary, write_summary
@@ -18,40 +19,76 @@ logger = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 
 
-def run_sweep(cfg: SweepConfig, verbose: int = 1) -> dict[str, Any]:
-    """Start Ray if needed, run the sweep through ``tune.Tuner``, and return (and write) its summary."""
+def run_sweep(cfg: SweepConfig, verbose: int = 1, resume: bool = False,
+              callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+    """Start Ray if needed, run the sweep through ``tune.Tuner``, and return (and write) its summary.
+
+    Args:
+        cfg: The validated sweep.
+        verbose: Tune's progress verbosity.
+        resume: Resume the interrupted sweep saved under ``<storage_path>/<name>`` (``Tuner.restore``):
+            unfinished and errored trials go on from their last checkpoints, and the summary covers
+            every trial of the sweep.
+        callbacks: Tune callbacks added to the run (a new run only: a resumed run keeps its own).
+
+    Raises:
+        ConfigError: ``resume`` with no saved sweep to resume.
+    """
     import ray
     from ray import tune
 
     remove_stale()  # node-cache memory that killed sweeps left on this machine
+    storage = os.path.abspath(cfg.storage_path)
+    path = os.path.join(storage, cfg.name)
+    if resume and not tune.Tuner.can_restore(path):
+        raise ConfigError(f"{cfg.path}: no interrupted sweep to resume in {path} (no experiment state there); "
+                          "run it without --resume, or check name and storage_path")
     if not ray.is_initialized():
         start_ray(cfg.ray)
     # An unshared sweep (data.coordinated: false) has nothing to coordinate: no searcher, no prep pool.
     searcher = (CoordinatedSearcher(max_concurrent=cfg.max_concurrent_trials, cache=cfg.cache, pool=cfg.pool)
                 if cfg.data.coordinated else None)
-    storage = os.path.abspath(cfg.storage_path)
     resources = {k: v for k, v in cfg.resources_per_trial.items() if v}
-    tuner = tune.Tuner(
-        tune.with_resources(cfg.trainable_fn(), resources),
-        param_space=cfg.param_space(),
-        tune_config=tune.TuneConfig(search_alg=searcher, scheduler=_scheduler(cfg), num_samples=cfg.num_samples,
-                                    metric=cfg.metric, mode=cfg.mode,
-                                    max_concurrent_trials=None if searcher else cfg.max_concurrent_trials or None),
-        run_config=tune.RunConfig(name=cfg.name, storage_path=storage, verbose=verbose,
-                                  failure_config=tune.FailureConfig(max_failures=0)),
-    )
-    groups: dict[str, Any] = {}
-    caches: dict[str, Any] = {}
+    trainable = tune.with_resources(cfg.trainable_fn(), resources)
+    if resume:  # Tune restores its own copy of the searcher, which finds or starts this job's registry
+        tuner = tune.Tuner.restore(path, trainable=trainable, param_space=cfg.param_space(),
+                                   resume_unfinished=True, resume_errored=True)
+    else:
+        tuner = tune.Tuner(
+            trainable,
+            param_space=cfg.param_space(),
+            tune_config=tune.TuneConfig(search_alg=searcher, scheduler=_scheduler(cfg), num_samples=cfg.num_samples,
+                                        metric=cfg.metric, mode=cfg.mode,
+                                        max_concurrent_trials=None if searcher else cfg.max_concurrent_trials or None),
+            run_config=tune.RunConfig(name=cfg.name, storage_path=storage, verbose=verbose, callbacks=list(callbacks),
+                                      failure_config=tune.FailureConfig(max_failures=0)),
+        )
+    reports: dict[str, Any] = {}
     try:
         results = tuner.fit()
-        if searcher is not None:
-            groups, caches = searcher.group_reports(), searcher.cache_reports()
+        if searcher is not None and (not resume or searcher.attach()):
+            reports = {"groups": searcher.group_reports(), "caches": searcher.cache_reports(),
+                       "evals": searcher.eval_reports()}
     finally:
         if searcher is not None:
             searcher.close()
     trials = [_trial_row(r, cfg.metric) for r in results]
-    summary = build_summary(trials, groups, cfg.metric, cfg.mode, caches)
-    summary["path"] = write_summary(summary, os.path.join(storage, cfg.name))
+    # Tune stops the trials it was running when interrupted (Ctrl-C): the grid then calls them
+    # TERMINATED, but the state it saved for a resume has them unfinished.
+    saved = _saved_statuses(path)
+    for row in trials:
+        if row["status"] == "TERMINATED" and saved.get(row["trial"], "TERMINATED") != "TERMINATED":
+            row["status"] = "UNFINISHED"
+    unfinished = sum(row["status"] == "UNFINISHED" for row in trials)
+    summary = build_summary(trials, reports.get("groups", {}), cfg.metric, cfg.mode, reports.get("caches"),
+                            reports.get("evals"))
+    summary["interrupted"] = unfinished > 0
+    if unfinished:
+        logger.warning("the sweep was interrupted with %d trials unfinished; resume it with: coordprep sweep %s "
+                       "--resume", unfinished, cfg.path)
+    if resume:  # the data-group figures are this run's; the trials are the whole sweep's
+        summary["resumed"] = True
+    summary["path"] = write_summary(summary, path)
     return summary
 
 
@@ -117,6 +154,17 @@ def _scheduler(cfg: SweepConfig) -> Any:
         return ASHAScheduler(time_attr="training_iteration", max_t=max_t, grace_period=s.grace_period,
                              reduction_factor=s.reduction_factor)
     return FIFOScheduler()
+
+
+def _saved_statuses(path: str) -> dict[str, str]:
+    """Each trial's status in the experiment state Tune saved under ``path`` (what a resume goes on from)."""
+    from ray.tune import ExperimentAnalysis
+
+    try:
+        return {t.trial_id: t.status for t in ExperimentAnalysis(path).trials}
+    except Exception as e:  # noqa: BLE001 - no saved state to compare with: keep the grid's statuses
+        logger.warning("could not read the saved sweep state in %s: %r", path, e)
+        return {}
 
 
 def _trial_row(result: Any, metric: str) -> dict[str, Any]:

@@ -11,8 +11,10 @@ _TRIAL_COLUMNS = ("trial", "status", "epochs", "metric", "stall_fraction", "batc
 
 
 def build_summary(trials: Sequence[Mapping[str, Any]], groups: Mapping[str, Mapping[str, Any]],
-                  metric: str, mode: str, caches: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
-    """Assemble the summary from per-trial rows, the searcher's group reports and its node caches' reports."""
+                  metric: str, mode: str, caches: Mapping[str, Mapping[str, Any]] | None = None,
+                  evals: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """Assemble the summary from per-trial rows and the searcher's reports (data groups, node caches,
+    evaluation sets)."""
     scored = [t for t in trials if isinstance(t.get(metric), (int, float)) and not math.isnan(t[metric])]
     best = (max if mode == "max" else min)(scored, key=lambda t: t[metric]) if scored else None
     group_rows = {}
@@ -20,7 +22,7 @@ def build_summary(trials: Sequence[Mapping[str, Any]], groups: Mapping[str, Mapp
         prepared, served = g.get("samples_prepared", 0), g.get("samples_served", 0)
         group_rows[key] = dict(g, saving=(served / prepared) if prepared else None)
     return {"metric": metric, "mode": mode, "best_trial": best, "trials": list(trials), "groups": group_rows,
-            "caches": dict(caches or {})}
+            "caches": dict(caches or {}), "evaluation": dict(evals or {})}
 
 
 def write_summary(summary: Mapping[str, Any], directory: str) -> str:
@@ -60,6 +62,17 @@ def format_summary(summary: Mapping[str, Any]) -> str:
                                    "decode+aug s", "put s", "detached", "released", "stall s", "nodes"], rows))
     else:
         lines.append("No coordinated data groups (coordinated: false): every trial prepared its own data.")
+    if summary.get("resumed"):
+        lines.append("")
+        lines.append("Resumed: the trials above are the whole sweep's; the figures below are this run's.")
+    evals = summary.get("evaluation") or {}
+    if evals:
+        lines.append("")
+        lines.append(format_table(
+            ["evaluation set", "held-out", "resident", "evaluations", "prepared", "served"],
+            [[key, e.get("samples"), f"{e.get('resident_pieces')}/{e.get('pieces')} pieces", e.get("evaluations"),
+              e.get("samples_prepared"), e.get("samples_served")] for key, e in evals.items()],
+        ))
     caches = summary.get("caches") or {}
     if caches:
         lines.append("")

@@ -1,0 +1,52 @@
+"""Where a trial's evaluation pieces come from: the sweep's evaluation set (shared) or its own process."""
+
+from __future__ import annotations
+
+import collections
+from typing import Iterator
+
+import ray
+
+from coordinated_prep.backends import make_preprocessor
+from coordinated_prep.chunk import PreparedChunk, eval_chunk
+from coordinated_prep.eval_set import STREAM_AHEAD, eval_pieces
+from coordinated_prep.plan import holdout_split
+from coordinated_prep.sources import open_source
+from coordinated_prep.spec import DataSpec
+from coordinated_prep.streams import fetch, find_registry
+
+
+def private_eval_pieces(spec: DataSpec) -> Iterator[PreparedChunk]:
+    """The held-out split in index order, prepared in this process (unshared, or outside Tune)."""
+    source = open_source(spec.dataset)
+    preprocessor = make_preprocessor(spec.pipeline)  # type: ignore[arg-type]
+    _, held = holdout_split(len(source), spec.holdout)
+    for indices in eval_pieces(held, spec.chunk_size):
+        yield eval_chunk(source, preprocessor, indices)
+
+
+def shared_eval_pieces(spec: DataSpec, trial: str) -> Iterator[PreparedChunk]:
+    """The held-out split in index order, from the sweep's evaluation set for ``spec``'s pipeline.
+
+    Resident pieces are read from the object store as they are (prepared once for the sweep);
+    pieces past them are requested at most :data:`STREAM_AHEAD` ahead and dropped once read.
+
+    Raises:
+        PrepError: A piece cannot be had (a bad sample, a timeout); names the trial.
+    """
+    registry = find_registry(trial)
+    timeout = spec.fetch_timeout_s
+    node = ray.get_runtime_context().get_node_id()
+    plan = fetch(registry.eval_plan.remote(spec, trial, node), trial, "starting its evaluation", timeout)
+    resident: list[ray.ObjectRef] = plan["refs"]
+    pending: collections.deque[ray.ObjectRef] = collections.deque()  # streamed answers, in piece order
+    requested = len(resident)
+    for i in range(plan["pieces"]):
+        if i < len(resident):
+            yield fetch(resident[i], trial, f"reading evaluation piece {i}", timeout)
+            continue
+        while requested < plan["pieces"] and len(pending) < STREAM_AHEAD:  # bounded look-ahead
+            pending.append(registry.eval_piece.remote(plan["key"], requested))
+            requested += 1
+        answer = fetch(pending.popleft(), trial, f"asking for evaluation piece {i}", timeout)
+        yield fetch(answer["ref"], trial, f"reading evaluation piece {i}", timeout)

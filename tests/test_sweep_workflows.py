@@ -1,0 +1,132 @@
+"""Tune workflows of a YAML sweep: evaluation prepared once, retries and resumes from checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import textwrap
+
+import pytest
+import torch
+from ray import tune
+
+from coordinated_prep import eval_loader
+from coordinated_prep.loader import resolve_spec
+from coordinated_prep.plan import holdout_split
+from coordinated_prep.sources import open_source
+from coordinated_prep.sweep.config import load_sweep
+from coordinated_prep.sweep.runner import run_sweep
+from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled
+from trainables import small_cnn
+from trainables.common import TuneSession, evaluate, fit
+
+
+def _sweep(tmp_path, small_dataset: str, name: str, extra: str = "", trainable: str = "small_cnn",
+           space: str = "", samples: int = 4, pool: str = "{actors: 1}") -> str:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(textwrap.dedent(f"""
+        name: {name}
+        storage_path: {tmp_path / "runs"}
+        trainable: {trainable}
+        data: {{dataset: {small_dataset}, pipeline: {{size: 24}}, chunk_size: 8}}
+        pool: {pool}
+        search_space: {{lr: {{loguniform: [0.01, 0.1]}}, batch_size: 16, width: 4, epochs: 3{space}}}
+        num_samples: {samples}
+        max_concurrent_trials: 4
+        resources_per_trial: {{cpu: 0.25}}
+    """) + textwrap.dedent(extra))
+    return str(path)
+
+
+def _held_out(dataset: str) -> int:
+    return len(holdout_split(len(open_source(dataset)), 0.1)[1])
+
+
+def test_evaluation_is_prepared_once_for_four_trials_by_three_epochs(ray_session, small_dataset, tmp_path):
+    baseline = plasma_objects()
+    summary = run_sweep(load_sweep(_sweep(tmp_path, small_dataset, "evalonce")), verbose=0)
+    assert [t["status"] for t in summary["trials"]] == ["TERMINATED"] * 4
+    [evaluation] = summary["evaluation"].values()
+    held = _held_out(small_dataset)
+    assert evaluation["samples"] == held and evaluation["resident_pieces"] == evaluation["pieces"]
+    assert evaluation["evaluations"] == 4 * 3
+    assert evaluation["samples_prepared"] == held, "the held-out split is prepared once for the sweep"
+    assert evaluation["samples_served"] == 4 * 3 * held
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+
+
+def evaluate_both_ways(config: dict) -> None:
+    """Evaluates one model on the shared held-out split and on one this process prepares; reports both."""
+    spec = resolve_spec(config)
+    private = {**config, "data": dataclasses.replace(spec, coordinated=False)}
+    torch.manual_seed(0)
+    model = small_cnn.build(len(open_source(spec.dataset).classes), config)
+    shared_batches, private_batches = list(eval_loader(config, 7)), list(eval_loader(private, 7))
+    same = len(shared_batches) == len(private_batches) and all(
+        torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels) and torch.equal(a.indices, b.indices)
+        for a, b in zip(shared_batches, private_batches))
+    loss_fn = torch.nn.CrossEntropyLoss()
+    shared_acc = evaluate(model, config, torch.device("cpu"), loss_fn)
+    private_acc = evaluate(model, private, torch.device("cpu"), loss_fn)
+    tune.report({"accuracy": shared_acc[1], "same_bytes": same, "shared": list(shared_acc),
+                 "private": list(private_acc), "indices": [int(i) for b in shared_batches for i in b.indices]})
+
+
+@pytest.mark.parametrize("eval_fraction", [0.5, 0.0], ids=["resident", "streamed"])
+def test_shared_evaluation_equals_each_trials_own(ray_session, small_dataset, tmp_path, eval_fraction):
+    cfg = load_sweep(_sweep(tmp_path, small_dataset, "evalboth", pool=f"{{actors: 1, eval_fraction: {eval_fraction}}}",
+                            trainable="tests.test_sweep_workflows:evaluate_both_ways", samples=2))
+    summary = run_sweep(cfg, verbose=0)
+    assert [t["status"] for t in summary["trials"]] == ["TERMINATED"] * 2
+    [evaluation] = summary["evaluation"].values()
+    held = _held_out(small_dataset)
+    # Each trial evaluates shared twice: once for the byte comparison, once in evaluate().
+    assert evaluation["evaluations"] == 2 * 2 and evaluation["samples_served"] == 2 * 2 * held
+    if eval_fraction == 0.0:  # nothing resident: every evaluation streams the split, prepared again
+        assert evaluation["resident_pieces"] == 0 and evaluation["samples_prepared"] == evaluation["samples_served"]
+    else:
+        assert evaluation["samples_prepared"] == held
+    storage = os.path.join(cfg.storage_path, cfg.name)
+    for row in summary["trials"]:
+        result = _last_result(storage, row)
+        assert result["same_bytes"] is True
+        assert result["shared"] == result["private"]
+        assert result["indices"] == sorted(result["indices"]) and len(result["indices"]) == held
+
+
+def _last_result(storage: str, row: dict) -> dict:
+    [directory] = [d for d in os.listdir(storage) if row["trial"] in d]
+    with open(os.path.join(storage, directory, "result.json")) as f:
+        return [json.loads(line) for line in f if line.strip()][-1]
+
+
+class _Interrupt(tune.Callback):
+    """Interrupts the sweep as Ctrl-C would (SIGINT to the driver) once ``after`` results came in.
+
+    Once per ``marker`` file: Tune restores the callback with the run, and the resumed run goes on.
+    """
+
+    def __init__(self, after: int, marker: str) -> None:
+        self.after, self.seen, self.marker = after, 0, marker
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        self.seen += 1
+        if self.seen >= self.after and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGINT)  # Tune's handler stops the loop and saves the state
+
+
+def test_an_interrupted_sweep_resumes_with_resume_and_finishes_every_trial(ray_session, small_dataset, tmp_path):
+    baseline = plasma_objects()
+    cfg = dataclasses.replace(load_sweep(_sweep(tmp_path, small_dataset, "interrupted")), max_concurrent_trials=2)
+    first = run_sweep(cfg, verbose=0, callbacks=[_Interrupt(after=3, marker=str(tmp_path / "interrupted"))])
+    assert first["interrupted"], [t["status"] for t in first["trials"]]
+    finished = {t["trial"] for t in first["trials"] if t["status"] == "TERMINATED"}
+    assert len(finished) < 4
+    resumed = run_sweep(cfg, verbose=0, resume=True)
+    assert not resumed["interrupted"] and resumed["resumed"], resumed["trials"]
+    assert len(resumed["trials"]) == 4, "the summary covers the whole sweep"
+    assert all(t["status"] == "TERMINATED" and t["epochs"] == 3 for t in resumed["trials"]), resumed["trials"]
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
