@@ -130,3 +130,43 @@ def test_an_interrupted_sweep_resumes_with_resume_and_finishes_every_trial(ray_s
     assert len(resumed["trials"]) == 4, "the summary covers the whole sweep"
     assert all(t["status"] == "TERMINATED" and t["epochs"] == 3 for t in resumed["trials"]), resumed["trials"]
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+
+
+class _CrashOnce(TuneSession):
+    """Tune's session, but the process dies (as if killed) on its first attempt at reporting epoch 3,
+    after training it; each report is recorded with the process id that made it."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def report(self, metrics: dict, state: dict) -> None:
+        marker = os.path.join(self.out, f"crashed-{tune.get_context().get_trial_id()}")
+        if metrics["epoch"] == 3 and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(1)  # no cleanup, no exception: what a killed process leaves
+        with open(os.path.join(self.out, f"{tune.get_context().get_trial_id()}.jsonl"), "a") as f:
+            f.write(json.dumps({"epoch": metrics["epoch"], "pid": os.getpid(), "samples": metrics["samples"]}) + "\n")
+        super().report(metrics, state)
+
+
+def crash_once(config: dict) -> None:
+    """The small CNN trainable, killed once mid-sweep (see :class:`_CrashOnce`)."""
+    fit(config, small_cnn.build, _CrashOnce(config["out"]))
+
+
+def test_a_killed_trial_retried_under_max_failures_resumes_at_its_checkpointed_epoch(ray_session, small_dataset,
+                                                                                        tmp_path):
+    baseline = plasma_objects()
+    out = tmp_path / "reports"
+    out.mkdir()
+    cfg = load_sweep(_sweep(tmp_path, small_dataset, "retried", "max_failures: 1\n", samples=2,
+                            trainable="tests.test_sweep_workflows:crash_once", space=f", out: {out}"))
+    summary = run_sweep(cfg, verbose=0)
+    assert [t["status"] for t in summary["trials"]] == ["TERMINATED"] * 2, summary["trials"]
+    per_epoch = summary["trials"][0]["epochs"] and next(iter(summary["groups"].values()))["samples_per_epoch"]
+    for row in summary["trials"]:
+        reports = [json.loads(line) for line in (out / f"{row['trial']}.jsonl").read_text().splitlines()]
+        assert [r["epoch"] for r in reports] == [1, 2, 3], "epochs 1 and 2 were not trained again"
+        assert reports[0]["pid"] == reports[1]["pid"] != reports[2]["pid"], "epoch 3 ran in the retried process"
+        assert all(r["samples"] == per_epoch for r in reports)
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
