@@ -81,8 +81,9 @@ class CoordinatedSearcher(SearchAlgorithm):
         # (tune_controller._get_max_pending_trials): trials would start one by one, about a second
         # apart, and short trials would miss each other. So a limiter is always on that chain; when
         # Tune's own generator does the searching, it is a marker that only carries the number.
+        limit = max_concurrent or (inner.max_concurrent if isinstance(inner, BasicVariantGenerator) else 0)
         self.searcher = getattr(inner, "searcher", None) or ConcurrencyLimiter(
-            Searcher(), max_concurrent=max_concurrent or _PENDING_WITHOUT_LIMIT)
+            Searcher(), max_concurrent=limit or _PENDING_WITHOUT_LIMIT)
         self._registry: Any = None
         self.session: str | None = None  # the Ray job id naming the registry, once started
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from ray.tune.execution.tune_controller import _get_max_pending_trials
-from ray.tune.search import ConcurrencyLimiter
+from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
 
 from coordinated_prep import CoordinatedSearcher
 from coordinated_prep.errors import ConfigError
@@ -17,6 +17,12 @@ def test_trials_may_start_together_not_one_by_one(limit, pending):
     searcher = CoordinatedSearcher(max_concurrent=limit)
     assert isinstance(searcher.searcher, ConcurrencyLimiter)
     assert _get_max_pending_trials(searcher) == pending
+
+
+def test_a_variant_generator_passed_in_sets_the_pending_limit():
+    # A sweep's `search: {type: random, seed: ...}` passes Tune's generator, limited, itself.
+    searcher = CoordinatedSearcher(BasicVariantGenerator(max_concurrent=3, random_state=0))
+    assert _get_max_pending_trials(searcher) == 3
 
 
 def test_bad_limits_are_named():

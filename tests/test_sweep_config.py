@@ -1,11 +1,21 @@
 """The YAML sweep schema: valid files parse; every mistake names the file, the key and what is allowed."""
 
+import importlib.util
 import textwrap
 
 import pytest
+from ray.tune.schedulers import FIFOScheduler, PopulationBasedTraining
+from ray.tune.schedulers.async_hyperband import AsyncHyperBandScheduler
+from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
+from ray.tune.search.sample import Categorical, Float, Integer, LogUniform
 
 from coordinated_prep import ConfigError
+from coordinated_prep.cli import main
+from coordinated_prep.schedulers import HyperBandScheduler
+from coordinated_prep.searcher import CoordinatedSearcher
+from coordinated_prep.sweep.algorithms import PBTSpec, SearchSpec
 from coordinated_prep.sweep.config import Dimension, load_sweep
+from coordinated_prep.sweep.runner import _scheduler, _search_algorithm
 
 GOOD = """
 trainable: small_cnn
@@ -30,7 +40,7 @@ def _write(tmp_path, text: str) -> str:
 
 
 def test_every_example_in_experiments_is_valid():
-    for name in ("default", "asha", "unshared", "cached"):
+    for name in ("default", "asha", "unshared", "cached", "optuna"):
         cfg = load_sweep(f"experiments/{name}.yaml")
         assert cfg.data.dataset == "builtin:shapes"
 
@@ -60,7 +70,7 @@ def test_a_cache_is_configured_with_units(tmp_path):
     (("dataset: builtin:shapes", "dataset: /no/such/dir"), r"data.dataset='/no/such/dir': no such directory"),
     (("seed: 3", "seed: -3"), "data.seed=-3"),
     (("{size: 32}", "{size: 0}"), "data.pipeline.size=0"),
-    (("{type: asha, grace_period: 1}", "{type: hyperband}"), "scheduler must be a mapping with type one of"),
+    (("{type: asha, grace_period: 1}", "{type: bohb}"), "scheduler must be a mapping with type one of"),
     (("num_samples: 2", "num_samples: 2\nnum_samples: 3"), "duplicate key 'num_samples'"),
     (("num_samples: 2", "num_samples: 2\nresources_per_trial: {cpu: -1}"), "resources_per_trial.cpu=-1"),
     (("{choice: [16, 32]}", "{choice: [0, 32]}"), "search_space.batch_size: 0 must be an integer >= 1"),
@@ -86,3 +96,225 @@ def test_yaml_is_read_with_a_safe_loader(tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="no such experiment file"):
         load_sweep(str(tmp_path / "nope.yaml"))
+
+
+SCHEDULER = "scheduler: {type: asha, grace_period: 1}"
+#: GOOD without its grid key, which no model-based searcher takes.
+NO_GRID = GOOD.replace("{grid: [8, 16]}", "{choice: [8, 16]}")
+
+
+def _with(tmp_path, line: str, base: str = GOOD):
+    """GOOD (epochs 2) with its scheduler line replaced by ``line``, parsed."""
+    return load_sweep(_write(tmp_path, base.replace(SCHEDULER, line)))
+
+
+def _fake_find_spec(monkeypatch, missing=(), present=()):
+    """``importlib.util.find_spec`` answering None for ``missing`` and a spec for ``present``."""
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        if name in missing:
+            return None
+        if name in present:
+            return importlib.machinery.ModuleSpec(name, None)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+def _takes_sweep_metric(scheduler) -> bool:
+    """True when the scheduler has no metric or mode of its own, so that Tune sets the sweep's
+    (TuneConfig, the one source); Tune refuses to when a scheduler already has them."""
+    return scheduler.set_search_properties("accuracy", "max") and scheduler._metric == "accuracy"
+
+
+def test_fifo_and_asha_build_tunes_schedulers(tmp_path):
+    assert type(_scheduler(_with(tmp_path, "scheduler: {type: fifo}"))) is FIFOScheduler
+    asha = _scheduler(_with(tmp_path, "scheduler: {type: asha, grace_period: 1, reduction_factor: 3}"))
+    assert isinstance(asha, AsyncHyperBandScheduler) and asha._max_t == 2 and asha._reduction_factor == 3
+    assert _takes_sweep_metric(asha)
+
+
+def test_hyperband_is_our_fixed_scheduler_run_for_the_sweeps_epochs(tmp_path):
+    scheduler = _scheduler(_with(tmp_path, "scheduler: {type: hyperband}"))
+    assert type(scheduler) is HyperBandScheduler, "not Ray's own class: it hangs at the end of a bracket"
+    assert scheduler._max_t_attr == 2 and scheduler._eta == 3 and scheduler._time_attr == "training_iteration"
+    scheduler = _scheduler(_with(tmp_path, "scheduler: {type: hyperband, max_t: 9, reduction_factor: 2}"))
+    assert scheduler._max_t_attr == 9 and scheduler._eta == 2
+    assert _takes_sweep_metric(scheduler)
+
+
+def test_pbt_mutates_search_space_keys_through_tune_domains(tmp_path):
+    cfg = _with(tmp_path, "scheduler: {type: pbt, perturbation_interval: 2, quantile_fraction: 0.5, "
+                          "resample_probability: 0, synch: true, hyperparam_mutations: "
+                          "{lr: {loguniform: [0.001, 0.1]}, batch_size: {choice: [16, 32]}, depth: {randint: [1, 3]}}}")
+    assert cfg.scheduler == PBTSpec(hyperparam_mutations={"lr": Dimension("loguniform", (0.001, 0.1)),
+                                                          "batch_size": Dimension("choice", (16, 32)),
+                                                          "depth": Dimension("randint", (1, 3))},
+                                    perturbation_interval=2, quantile_fraction=0.5, resample_probability=0,
+                                    synch=True)
+    pbt = _scheduler(cfg)
+    assert type(pbt) is PopulationBasedTraining and pbt._time_attr == "training_iteration"
+    assert (pbt._perturbation_interval, pbt._quantile_fraction, pbt._resample_probability, pbt._synch) == \
+        (2, 0.5, 0, True)
+    lr, batch, depth = (pbt._hyperparam_mutations[k] for k in ("lr", "batch_size", "depth"))
+    assert isinstance(lr, Float) and isinstance(lr.get_sampler(), LogUniform) and (lr.lower, lr.upper) == (0.001, 0.1)
+    assert isinstance(batch, Categorical) and batch.categories == [16, 32]
+    assert isinstance(depth, Integer) and (depth.lower, depth.upper) == (1, 3)
+    assert _takes_sweep_metric(pbt)
+
+
+def test_pb2_builds_rays_pb2(tmp_path):
+    pytest.importorskip("sklearn", reason="the pb2 extra is not installed (it is not a test dependency)")
+    from ray.tune.schedulers.pb2 import PB2
+
+    pb2 = _scheduler(_with(tmp_path, "scheduler: {type: pb2, perturbation_interval: 2, "
+                                     "hyperparam_bounds: {lr: [0.001, 0.1]}}"))
+    assert type(pb2) is PB2 and pb2._hyperparam_bounds == {"lr": [0.001, 0.1]} and pb2._perturbation_interval == 2
+    assert _takes_sweep_metric(pb2)
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{type: hyperband, grace_period: 1}",
+     r"scheduler \(hyperband\): unknown key\(s\) \['grace_period'\]; allowed: \['type', 'max_t', 'reduction_factor'\]"),
+    ("{type: hyperband, max_t: 0}", r"scheduler.max_t=0 must be an integer >= 1"),
+    ("{type: hyperband, reduction_factor: 1}", r"scheduler.reduction_factor=1 must be a number > 1"),
+    ("{type: asha, max_t: 1.5}", r"scheduler.max_t=1.5 must be an integer >= 1"),
+    ("{type: pbt}", r"scheduler.hyperparam_mutations is required: a non-empty mapping"),
+    ("{type: pbt, hyperparam_mutations: [lr]}", r"scheduler.hyperparam_mutations=\['lr'\] must be a mapping"),
+    ("{type: pbt, hyperparam_mutations: {lr: {grid: [0.01, 0.1]}}}",
+     r"scheduler.hyperparam_mutations.lr: .* must be a distribution.*grid is not one"),
+    ("{type: pbt, hyperparam_mutations: {lr: 0.1}}", r"scheduler.hyperparam_mutations.lr: 0.1 must be a distribution"),
+    ("{type: pbt, hyperparam_mutations: {lr: {loguniform: [0, 0.1]}}}",
+     r"scheduler.hyperparam_mutations.lr.loguniform=\[0, 0.1\] needs low < high and low > 0"),
+    ("{type: pbt, hyperparam_mutations: {lrr: {uniform: [0.01, 0.1]}}}",
+     r"scheduler.hyperparam_mutations.lrr: 'lrr' is not a search_space key"),
+    ("{type: pbt, hyperparam_mutations: {batch_size: {choice: [0, 16]}}}",
+     r"scheduler.hyperparam_mutations.batch_size: 0 must be an integer >= 1 \(trainable 'small_cnn'\)"),
+    ("{type: pbt, perturbation_interval: 0, hyperparam_mutations: {lr: {uniform: [0.01, 0.1]}}}",
+     r"scheduler.perturbation_interval=0 must be an integer >= 1"),
+    ("{type: pbt, quantile_fraction: 0.6, hyperparam_mutations: {lr: {uniform: [0.01, 0.1]}}}",
+     r"scheduler.quantile_fraction=0.6 must be a number in \(0, 0.5\]"),
+    ("{type: pbt, quantile_fraction: 0, hyperparam_mutations: {lr: {uniform: [0.01, 0.1]}}}",
+     r"scheduler.quantile_fraction=0 must be"),
+    ("{type: pbt, resample_probability: 1.5, hyperparam_mutations: {lr: {uniform: [0.01, 0.1]}}}",
+     r"scheduler.resample_probability=1.5 must be a number from 0 to 1"),
+    ("{type: pbt, synch: 1, hyperparam_mutations: {lr: {uniform: [0.01, 0.1]}}}",
+     r"scheduler.synch=1 must be true or false"),
+    ("{type: pbt, hyperparam_bounds: {lr: [0.01, 0.1]}}",
+     r"scheduler \(pbt\): unknown key\(s\) \['hyperparam_bounds'\]; allowed: \['type', 'hyperparam_mutations', "
+     r"'perturbation_interval', 'quantile_fraction', 'resample_probability', 'synch'\]"),
+    ("{type: [pbt]}", r"scheduler must be a mapping with type one of \['fifo', 'asha', 'hyperband', 'pbt', 'pb2'\]"),
+])
+def test_scheduler_mistakes_name_the_key(tmp_path, line, message):
+    path = _write(tmp_path, GOOD.replace(SCHEDULER, f"scheduler: {line}"))
+    with pytest.raises(ConfigError, match=message) as info:
+        load_sweep(path)
+    assert str(info.value).startswith(path)
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{type: pb2}", r"scheduler.hyperparam_bounds is required"),
+    ("{type: pb2, hyperparam_bounds: {lr: [0.1, 0.01]}}",
+     r"scheduler.hyperparam_bounds.lr=\[0.1, 0.01\] must be \[low, high\] numbers, low < high"),
+    ("{type: pb2, hyperparam_bounds: {lr: 0.1}}", r"scheduler.hyperparam_bounds.lr=0.1 must be \[low, high\]"),
+    ("{type: pb2, hyperparam_bounds: {lrr: [0.01, 0.1]}}",
+     r"scheduler.hyperparam_bounds.lrr: 'lrr' is not a search_space key"),
+    ("{type: pb2, hyperparam_bounds: {batch_size: [0, 32]}}",
+     r"scheduler.hyperparam_bounds.batch_size: 0 must be an integer >= 1"),
+    ("{type: pb2, synch: true, hyperparam_bounds: {lr: [0.01, 0.1]}}",
+     r"scheduler \(pb2\): unknown key\(s\) \['synch'\]; allowed: \['type', 'hyperparam_bounds', "
+     r"'perturbation_interval', 'quantile_fraction'\]"),
+])
+def test_pb2_mistakes_name_the_key(tmp_path, monkeypatch, line, message):
+    _fake_find_spec(monkeypatch, present=("GPy", "sklearn"))  # as if the pb2 extra were installed
+    with pytest.raises(ConfigError, match=message):
+        _with(tmp_path, f"scheduler: {line}")
+
+
+def test_searchers_build_the_tune_search_algorithm_named(tmp_path):
+    from ray.tune.search.optuna import OptunaSearch
+
+    cfg = load_sweep(_write(tmp_path, NO_GRID + "search: {type: optuna, seed: 7}\n"))
+    assert cfg.search == SearchSpec("optuna", 7)
+    search_alg, searcher = _search_algorithm(cfg)
+    assert search_alg is searcher and isinstance(searcher, CoordinatedSearcher)
+    limiter = searcher.searcher  # what Tune reads to know how many trials may be pending
+    assert isinstance(limiter, ConcurrencyLimiter) and limiter.max_concurrent == 2
+    assert isinstance(limiter.searcher, OptunaSearch) and limiter.searcher._seed == 7
+    unshared = load_sweep(_write(tmp_path, NO_GRID.replace("seed: 3", "seed: 3, coordinated: false")
+                                 + "search: {type: optuna}\n"))
+    search_alg, searcher = _search_algorithm(unshared)
+    assert searcher is None and isinstance(search_alg, ConcurrencyLimiter) and search_alg.max_concurrent == 2
+    assert isinstance(search_alg.searcher, OptunaSearch)
+
+
+@pytest.mark.parametrize("search", ["", "search: {type: random, seed: 5}\n", "search: {type: grid}\n"])
+def test_random_and_grid_are_tunes_variant_generator(tmp_path, search):
+    base = GOOD
+    if "grid" in search:  # a grid search takes grid keys and constants only
+        base = GOOD.replace("{loguniform: [0.001, 0.1]}", "0.01").replace("{choice: [16, 32]}", "32")
+        base = base.replace("{uniform: [0.8, 0.95]}", "0.9").replace("{randint: [1, 4]}", "{grid: [1, 2]}")
+    _, searcher = _search_algorithm(load_sweep(_write(tmp_path, base + search)))
+    generator = searcher._inner
+    assert type(generator) is BasicVariantGenerator and generator.max_concurrent == 2
+    assert searcher.searcher.max_concurrent == 2, "Tune's pending-trial limit follows max_concurrent_trials"
+
+
+def test_a_seed_repeats_the_random_search(tmp_path):
+    cfg = load_sweep(_write(tmp_path, GOOD + "search: {type: random, seed: 5}\n"))
+
+    def sampled_lrs() -> list[float]:
+        generator = cfg.search.to_tune(max_concurrent=0)
+        experiment = {"run": cfg.trainable_fn(), "config": cfg.param_space(), "num_samples": 3}
+        generator.add_configurations({"sweep": experiment})
+        return [generator.next_trial().config["lr"] for _ in range(6)]  # 3 samples x the 2 widths of the grid
+
+    first = sampled_lrs()
+    assert first == sampled_lrs() and len(set(first)) == 6
+
+
+@pytest.mark.parametrize("search, message", [
+    ("{type: bayes}", r"search.type='bayes' must be one of \['random', 'grid', 'optuna', 'hyperopt'\]"),
+    ("{type: optuna, seed: -1}", r"search.seed=-1 must be an integer >= 0"),
+    ("{type: optuna, seed: 1.5}", r"search.seed=1.5 must be an integer >= 0"),
+    ("{type: optuna, sampler: tpe}", r"search: unknown key\(s\) \['sampler'\]; allowed: \['type', 'seed'\]"),
+    ("optuna", r"search must be a mapping"),
+    ("{type: optuna}", r"search_space.width: search.type=optuna cannot search a grid; write \{choice: \[8, 16\]\}"),
+    ("{type: grid}", r"search_space.lr: search.type=grid takes only grid keys and constants, not loguniform"),
+])
+def test_search_mistakes_name_the_key(tmp_path, search, message):
+    path = _write(tmp_path, GOOD + f"search: {search}\n")
+    with pytest.raises(ConfigError, match=message) as info:
+        load_sweep(path)
+    assert str(info.value).startswith(path)
+
+
+def test_hyperopt_takes_no_grid_either(tmp_path, monkeypatch):
+    _fake_find_spec(monkeypatch, present=("hyperopt",))
+    with pytest.raises(ConfigError, match=r"search_space.width: search.type=hyperopt cannot search a grid"):
+        load_sweep(_write(tmp_path, GOOD + "search: {type: hyperopt}\n"))
+
+
+@pytest.mark.parametrize("section, missing, message", [
+    ("search: {type: optuna}", ("optuna",), r"search.type=optuna needs optuna, not installed: "
+                                            r"pip install 'coordinated-prep\[optuna\]'"),
+    ("search: {type: hyperopt, seed: 1}", ("hyperopt",), r"search.type=hyperopt needs hyperopt, not installed: "
+                                                         r"pip install 'coordinated-prep\[hyperopt\]'"),
+    ("scheduler: {type: pb2, hyperparam_bounds: {lr: [0.001, 0.1]}}", ("GPy", "sklearn"),
+     r"scheduler.type=pb2 needs .*scikit-learn, not installed: pip install 'coordinated-prep\[pb2\]'"),
+])
+def test_a_missing_extra_is_named_with_its_pip_command(tmp_path, monkeypatch, capsys, section, missing, message):
+    _fake_find_spec(monkeypatch, missing=missing)
+    path = _write(tmp_path, NO_GRID.replace(SCHEDULER, section) if "scheduler" in section else NO_GRID + section + "\n")
+    with pytest.raises(ConfigError, match=message):
+        load_sweep(path)
+    assert main(["sweep", path, "--dry-run"]) == 2, "the dry run shows it, before Ray starts"
+    assert "pip install 'coordinated-prep[" in capsys.readouterr().err
+
+
+def test_specs_are_validated_when_built_in_python_too():
+    with pytest.raises(ConfigError, match="scheduler.hyperparam_mutations.lr: .*grid is not one"):
+        PBTSpec(hyperparam_mutations={"lr": Dimension("grid", (0.01, 0.1))})
+    with pytest.raises(ConfigError, match="search.seed=-2"):
+        SearchSpec("random", seed=-2)

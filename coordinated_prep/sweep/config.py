@@ -17,10 +17,22 @@ Schema (every key but ``trainable`` and ``search_space`` is optional)::
       epochs: 3
     num_samples: 8
     max_concurrent_trials: 4         # 0 = as many as resources allow
+    max_failures: 0                  # retries per trial (Tune's FailureConfig); a retry resumes from its checkpoint
     resources_per_trial: {cpu: 0.25, gpu: 0}
     metric: accuracy
     mode: max
-    scheduler: {type: asha, grace_period: 1, reduction_factor: 2}   # or {type: fifo}
+    scheduler: {type: asha, grace_period: 1, reduction_factor: 2}   # default {type: fifo}; the types and keys:
+    #   fifo
+    #   asha       grace_period: 1, reduction_factor: 2, max_t: <epochs>
+    #   hyperband  max_t: <epochs>, reduction_factor: 3   (synchronous: coordinated_prep.schedulers' class)
+    #   pbt        hyperparam_mutations: {lr: {loguniform: [0.001, 0.1]}} (search-space keys, no grid),
+    #              perturbation_interval: 1, quantile_fraction: 0.25, resample_probability: 0.25, synch: false
+    #   pb2        hyperparam_bounds: {lr: [0.001, 0.1]}, perturbation_interval: 1, quantile_fraction: 0.25
+    #              (extra: pip install 'coordinated-prep[pb2]')
+    #   every scheduler counts epochs (training_iteration) and ranks trials by metric and mode
+    search: {type: random, seed: 0}  # default random: Tune's generator (samples, and expands grid keys); grid:
+                                     # the same, grid keys and constants only; optuna, hyperopt: model-based,
+                                     # no grid keys, each needs its extra: pip install 'coordinated-prep[optuna]'
     ray: {num_cpus: 2, object_store_memory: 1073741824}             # passed to ray.init
     cache: {capacity_bytes: 256MiB, partitioned: true}              # a raw-data cache per node (CacheSpec)
     pool: {actors: 2, cpus: 1, staging_fraction: 0.25}              # each node's prep pool and budget (PoolSpec)
@@ -39,12 +51,15 @@ from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.spec import DataSpec
+from coordinated_prep.sweep.algorithms import (FifoSpec, PB2Spec, PBTSpec, SchedulerSpec, SearchSpec, parse_scheduler,
+                                               parse_search)
+from coordinated_prep.sweep.syntax import DISTRIBUTIONS, Dimension, check_keys, parse_dimension
 from coordinated_prep.sweep.yaml_loader import load_yaml
 
-DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint")
+__all__ = ["DISTRIBUTIONS", "Dimension", "SweepConfig", "load_sweep", "resolve_trainable"]
+
 TOP_KEYS = ("name", "storage_path", "trainable", "data", "search_space", "num_samples", "max_concurrent_trials",
-            "resources_per_trial", "metric", "mode", "scheduler", "ray", "cache", "pool")
-SCHEDULER_KEYS = {"fifo": ("type",), "asha": ("type", "grace_period", "reduction_factor", "max_t")}
+            "max_failures", "resources_per_trial", "metric", "mode", "scheduler", "search", "ray", "cache", "pool")
 #: What the registered trainables need of their search space: (integer?, lowest value, required?).
 TRAINABLE_KEYS = {"lr": (False, 0.0, True), "batch_size": (True, 1, True), "epochs": (True, 1, True),
                   "width": (True, 1, False)}
@@ -53,36 +68,9 @@ RAY_KEYS = ("num_cpus", "object_store_memory", "include_dashboard", "dashboard_h
 
 
 @dataclass(frozen=True)
-class Dimension:
-    """One search-space entry: a Tune distribution over ``args``."""
-
-    kind: Literal["choice", "grid", "uniform", "loguniform", "randint"]
-    args: tuple[Any, ...]
-
-    def to_tune(self) -> Any:
-        """The Tune search-space object."""
-        from ray import tune
-
-        if self.kind == "choice":
-            return tune.choice(list(self.args))
-        if self.kind == "grid":
-            return tune.grid_search(list(self.args))
-        return getattr(tune, self.kind)(*self.args)
-
-
-@dataclass(frozen=True)
-class SchedulerSpec:
-    """``fifo`` or ``asha`` (async successive halving on ``metric``, one rung per ``grace_period``)."""
-
-    type: Literal["fifo", "asha"] = "fifo"
-    grace_period: int = 1
-    reduction_factor: float = 2.0
-    max_t: int | None = None
-
-
-@dataclass(frozen=True)
 class SweepConfig:
-    """A whole experiment sweep, validated."""
+    """A whole experiment sweep, validated; at construction, the scheduler and the search algorithm check
+    that they can work with the search space."""
 
     path: str
     trainable: str
@@ -92,13 +80,19 @@ class SweepConfig:
     storage_path: str = "runs"
     num_samples: int = 1
     max_concurrent_trials: int = 0
+    max_failures: int = 0
     resources_per_trial: Mapping[str, float] = field(default_factory=lambda: {"cpu": 1.0})
     metric: str = "accuracy"
     mode: Literal["min", "max"] = "max"
-    scheduler: SchedulerSpec = field(default_factory=SchedulerSpec)
+    scheduler: SchedulerSpec = field(default_factory=FifoSpec)
+    search: SearchSpec = field(default_factory=SearchSpec)
     ray: Mapping[str, Any] = field(default_factory=dict)
     cache: CacheSpec | None = None
     pool: PoolSpec = field(default_factory=PoolSpec)
+
+    def __post_init__(self) -> None:
+        self.scheduler.check_space(self.search_space)
+        self.search.check_space(self.search_space)
 
     def trainable_fn(self) -> Callable[[dict], None]:
         """The trainable function this sweep names."""
@@ -123,7 +117,7 @@ def load_sweep(path: str) -> SweepConfig:
 def _parse(path: str, raw: Any) -> SweepConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"the file must hold a mapping with keys {list(TOP_KEYS)}")
-    _only(raw, TOP_KEYS, "top level")
+    check_keys(raw, TOP_KEYS, "top level")
     for key in ("trainable", "search_space"):
         if key not in raw:
             raise ConfigError(f"missing required key {key!r}")
@@ -137,14 +131,18 @@ def _parse(path: str, raw: Any) -> SweepConfig:
     if "data" in space:
         raise ConfigError("search_space.data: the data spec belongs under the top-level 'data' key")
     kwargs: dict[str, Any] = {"path": path, "trainable": trainable, "data": data,
-                              "search_space": {k: _dimension(f"search_space.{k}", v) for k, v in space.items()}}
+                              "search_space": {k: parse_dimension(f"search_space.{k}", v) for k, v in space.items()}}
+    if "scheduler" in raw:
+        kwargs["scheduler"] = parse_scheduler(raw["scheduler"])
+    if "search" in raw:
+        kwargs["search"] = parse_search(raw["search"])
     if ":" not in trainable:
-        _check_trainable_keys(kwargs["search_space"], trainable)
+        _check_trainable_keys(kwargs["search_space"], trainable, kwargs.get("scheduler", FifoSpec()))
     for key, typ, what in (("name", str, "a name"), ("storage_path", str, "a directory"),
                            ("metric", str, "a reported metric name")):
         if key in raw:
             kwargs[key] = _typed(raw, key, typ, what)
-    for key, low in (("num_samples", 1), ("max_concurrent_trials", 0)):
+    for key, low in (("num_samples", 1), ("max_concurrent_trials", 0), ("max_failures", 0)):
         if key in raw:
             value = raw[key]
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -156,10 +154,8 @@ def _parse(path: str, raw: Any) -> SweepConfig:
         kwargs["mode"] = raw["mode"]
     if "resources_per_trial" in raw:
         kwargs["resources_per_trial"] = _resources(raw["resources_per_trial"])
-    if "scheduler" in raw:
-        kwargs["scheduler"] = _scheduler(raw["scheduler"])
     if "ray" in raw:
-        _only(raw["ray"], RAY_KEYS, "ray")
+        check_keys(raw["ray"], RAY_KEYS, "ray")
         kwargs["ray"] = dict(raw["ray"])
     if raw.get("cache") is not None:
         kwargs["cache"] = CacheSpec.from_mapping(raw["cache"], "cache")
@@ -198,71 +194,45 @@ def _check_dataset(dataset: str) -> None:
                           f"dataset directory (coordprep convert) or one of {list(BUILTIN_DATASETS)}")
 
 
-def _dimension(where: str, value: Any) -> Any:
-    if not isinstance(value, Mapping):
-        if isinstance(value, (int, float, str, bool, list)) or value is None:
-            return value  # a constant
-        raise ConfigError(f"{where}={value!r} must be a constant or a mapping {{distribution: arguments}}")
-    if len(value) != 1 or next(iter(value)) not in DISTRIBUTIONS:
-        raise ConfigError(f"{where}: {dict(value)!r} must have exactly one key out of {list(DISTRIBUTIONS)}")
-    kind, args = next(iter(value.items()))
-    if not isinstance(args, list) or not args:
-        raise ConfigError(f"{where}.{kind} must be a non-empty list")
-    if kind in ("uniform", "loguniform", "randint"):
-        if len(args) != 2 or not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in args):
-            raise ConfigError(f"{where}.{kind}={args!r} must be [low, high] numbers")
-        if not args[0] < args[1] or (kind == "loguniform" and args[0] <= 0):
-            raise ConfigError(f"{where}.{kind}={args!r} needs low < high" + (" and low > 0" if kind == "loguniform" else ""))
-        if kind == "randint" and not all(isinstance(a, int) for a in args):
-            raise ConfigError(f"{where}.randint={args!r} must be integers")
-    return Dimension(kind, tuple(args))
-
-
-def _check_trainable_keys(space: Mapping[str, Any], trainable: str) -> None:
-    """Every value a registered trainable's key can take must be usable (batch_size 0 is not)."""
-    for key, (integer, low, required) in TRAINABLE_KEYS.items():
+def _check_trainable_keys(space: Mapping[str, Any], trainable: str, scheduler: SchedulerSpec) -> None:
+    """Every value a registered trainable's key can take must be usable (batch_size 0 is not), the values
+    PBT and PB2 move a trial to included."""
+    for key, (_, _, required) in TRAINABLE_KEYS.items():
         if key not in space:
             if required:
                 raise ConfigError(f"search_space.{key} is required by trainable {trainable!r}")
             continue
-        value = space[key]
-        values = list(value.args) if isinstance(value, Dimension) else [value]
-        kind = "an integer" if integer else "a number"
-        for v in values:
-            ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-            if isinstance(v, bool) or not ok or v < low or (not integer and v <= 0):
-                bound = f">= {low}" if integer else "> 0"
-                raise ConfigError(f"search_space.{key}: {v!r} must be {kind} {bound} (trainable {trainable!r})")
+        _check_trainable_values(f"search_space.{key}", key, space[key], trainable)
+    moves: Mapping[str, Any] = {}
+    if isinstance(scheduler, PBTSpec):
+        moves = {f"hyperparam_mutations.{k}": (k, v) for k, v in scheduler.hyperparam_mutations.items()}
+    elif isinstance(scheduler, PB2Spec):
+        moves = {f"hyperparam_bounds.{k}": (k, Dimension("uniform", tuple(v)))
+                 for k, v in scheduler.hyperparam_bounds.items()}
+    for where, (key, value) in moves.items():
+        if key in TRAINABLE_KEYS:
+            _check_trainable_values(f"scheduler.{where}", key, value, trainable)
 
 
-def _scheduler(value: Any) -> SchedulerSpec:
-    if not isinstance(value, Mapping) or value.get("type") not in SCHEDULER_KEYS:
-        raise ConfigError(f"scheduler must be a mapping with type one of {list(SCHEDULER_KEYS)}, got {value!r}")
-    _only(value, SCHEDULER_KEYS[value["type"]], f"scheduler ({value['type']})")
-    spec = SchedulerSpec(**value)
-    if not isinstance(spec.grace_period, int) or spec.grace_period < 1:
-        raise ConfigError(f"scheduler.grace_period={spec.grace_period!r} must be an integer >= 1")
-    if not isinstance(spec.reduction_factor, (int, float)) or spec.reduction_factor <= 1:
-        raise ConfigError(f"scheduler.reduction_factor={spec.reduction_factor!r} must be a number > 1")
-    return spec
+def _check_trainable_values(where: str, key: str, value: Any, trainable: str) -> None:
+    integer, low, _ = TRAINABLE_KEYS[key]
+    values = list(value.args) if isinstance(value, Dimension) else [value]
+    kind = "an integer" if integer else "a number"
+    for v in values:
+        ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+        if isinstance(v, bool) or not ok or v < low or (not integer and v <= 0):
+            bound = f">= {low}" if integer else "> 0"
+            raise ConfigError(f"{where}: {v!r} must be {kind} {bound} (trainable {trainable!r})")
 
 
 def _resources(value: Any) -> dict[str, float]:
     if not isinstance(value, Mapping):
         raise ConfigError(f"resources_per_trial={value!r} must be a mapping like {{cpu: 1, gpu: 0}}")
-    _only(value, ("cpu", "gpu"), "resources_per_trial")
+    check_keys(value, ("cpu", "gpu"), "resources_per_trial")
     for k, v in value.items():
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
             raise ConfigError(f"resources_per_trial.{k}={v!r} must be a number >= 0")
     return {k: float(v) for k, v in value.items()}
-
-
-def _only(value: Any, allowed: tuple[str, ...], where: str) -> None:
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{where} must be a mapping")
-    unknown = sorted(set(value) - set(allowed))
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {list(allowed)}")
 
 
 def _typed(raw: Mapping[str, Any], key: str, typ: type, what: str) -> Any:

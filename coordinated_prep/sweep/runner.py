@@ -45,9 +45,8 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1, resume: bool = False,
                           "run it without --resume, or check name and storage_path")
     if not ray.is_initialized():
         start_ray(cfg.ray)
-    # An unshared sweep (data.coordinated: false) has nothing to coordinate: no searcher, no prep pool.
-    searcher = (CoordinatedSearcher(max_concurrent=cfg.max_concurrent_trials, cache=cfg.cache, pool=cfg.pool)
-                if cfg.data.coordinated else None)
+    # An unshared sweep (data.coordinated: false) has nothing to coordinate: no CoordinatedSearcher, no prep pool.
+    search_alg, searcher = _search_algorithm(cfg)
     resources = {k: v for k, v in cfg.resources_per_trial.items() if v}
     trainable = tune.with_resources(cfg.trainable_fn(), resources)
     if resume:  # Tune restores its own copy of the searcher, which finds or starts this job's registry
@@ -57,11 +56,11 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1, resume: bool = False,
         tuner = tune.Tuner(
             trainable,
             param_space=cfg.param_space(),
-            tune_config=tune.TuneConfig(search_alg=searcher, scheduler=_scheduler(cfg), num_samples=cfg.num_samples,
-                                        metric=cfg.metric, mode=cfg.mode,
-                                        max_concurrent_trials=None if searcher else cfg.max_concurrent_trials or None),
+            # The sweep's metric and mode are set here only: Tune hands them to the searcher and the scheduler.
+            tune_config=tune.TuneConfig(search_alg=search_alg, scheduler=_scheduler(cfg), num_samples=cfg.num_samples,
+                                        metric=cfg.metric, mode=cfg.mode),
             run_config=tune.RunConfig(name=cfg.name, storage_path=storage, verbose=verbose, callbacks=list(callbacks),
-                                      failure_config=tune.FailureConfig(max_failures=0)),
+                                      failure_config=tune.FailureConfig(max_failures=cfg.max_failures)),
         )
     reports: dict[str, Any] = {}
     try:
@@ -145,15 +144,24 @@ def _loopback_allowed(address: str) -> Iterator[None]:
 
 
 def _scheduler(cfg: SweepConfig) -> Any:
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+    """The Tune scheduler of ``cfg.scheduler``; a trial's length (``max_t``) defaults to the constant
+    ``epochs`` of the search space (100 when ``epochs`` is a distribution)."""
+    epochs = cfg.search_space.get("epochs")
+    return cfg.scheduler.to_tune(default_max_t=epochs if isinstance(epochs, int) else 100)
 
-    s = cfg.scheduler
-    if s.type == "asha":
-        epochs = cfg.search_space.get("epochs")
-        max_t = s.max_t or (epochs if isinstance(epochs, int) else 100)
-        return ASHAScheduler(time_attr="training_iteration", max_t=max_t, grace_period=s.grace_period,
-                             reduction_factor=s.reduction_factor)
-    return FIFOScheduler()
+
+def _search_algorithm(cfg: SweepConfig) -> tuple[Any, CoordinatedSearcher | None]:
+    """Tune's search algorithm for ``cfg.search``, at most ``max_concurrent_trials`` trials at once, and
+    the CoordinatedSearcher wrapping it (None for an unshared sweep, ``data.coordinated: false``)."""
+    from ray.tune.search import ConcurrencyLimiter, SearchAlgorithm
+
+    algorithm = cfg.search.to_tune(max_concurrent=cfg.max_concurrent_trials)
+    # A BasicVariantGenerator (random, grid) limits itself; a Searcher (optuna, hyperopt) is limited here.
+    limit = 0 if isinstance(algorithm, SearchAlgorithm) else cfg.max_concurrent_trials
+    if not cfg.data.coordinated:  # nothing to coordinate: Tune's searcher alone, no prep pool
+        return (ConcurrencyLimiter(algorithm, limit) if limit else algorithm), None
+    searcher = CoordinatedSearcher(algorithm, max_concurrent=limit, cache=cfg.cache, pool=cfg.pool)
+    return searcher, searcher
 
 
 def _saved_statuses(path: str) -> dict[str, str]:
