@@ -51,7 +51,9 @@ def _inject(config: dict, epoch: int, step: int) -> None:
             return
         open(marker, "w").close()
         cls = "PrepActor" if fault == "kill_prep" else "Coordinator"
-        victims = list_actors(filters=[("class_name", "=", cls), ("state", "=", "ALIVE")], detail=True)
+        # This test's Ray by address: another instance on the machine must not make it ambiguous.
+        victims = list_actors(address=ray.get_runtime_context().gcs_address,
+                              filters=[("class_name", "=", cls), ("state", "=", "ALIVE")], detail=True)
         assert victims, f"no live {cls} actor"
         os.kill(int(victims[0].pid), signal.SIGKILL)
 

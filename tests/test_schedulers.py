@@ -68,3 +68,39 @@ def test_a_last_result_through_on_trial_result_stops_it_in_both(cls):
     trials[1].set_status(Trial.PAUSED)
     assert scheduler.on_trial_result(controller, trials[2], {"training_iteration": 4, "score": 1.0}) == TrialScheduler.STOP
     assert set(controller.stopped) == set(trials[:2])
+
+
+def _end_of_a_halved_bracket(cls: type) -> tuple[_Controller, Trial]:
+    """A bracket that halved once (three trials at 2, the best two go on to 4): the first of the two
+    to reach 4 is paused, the other then ends by completing (its last result arrives as it ends)."""
+    scheduler = cls(time_attr="training_iteration", max_t=4, reduction_factor=2, metric="score", mode="max")
+    controller = _Controller()
+    trials = [Trial("__fake", stub=True, trial_id=f"t{i}") for i in range(6)]
+    for t in trials:
+        scheduler.on_trial_add(controller, t)
+        t.set_status(Trial.RUNNING)
+    halving = [t for t in trials if scheduler._trial_info[t][0]._halves == 1]  # noqa: SLF001 - the bracket
+    assert len(halving) == 3, "max_t 4 and factor 2 put three trials in a bracket that halves at 2"
+    a, b, c = halving
+    for t, score in ((a, 3.0), (b, 2.0)):
+        assert scheduler.on_trial_result(controller, t, {"training_iteration": 2, "score": score}) == TrialScheduler.PAUSE
+        t.set_status(Trial.PAUSED)
+    assert scheduler.on_trial_result(controller, c, {"training_iteration": 2, "score": 1.0}) == TrialScheduler.STOP
+    c.set_status(Trial.TERMINATED)
+    for t in (a, b):  # the good two: Tune starts them again
+        t.set_status(Trial.RUNNING)
+    assert scheduler.on_trial_result(controller, a, {"training_iteration": 4, "score": 3.0}) == TrialScheduler.PAUSE
+    a.set_status(Trial.PAUSED)
+    b.set_status(Trial.TERMINATED)
+    scheduler.on_trial_complete(controller, b, {"training_iteration": 4, "score": 2.0})
+    return controller, a
+
+
+def test_rays_hyperband_leaves_a_trial_paused_after_a_halving_too():
+    controller, paused = _end_of_a_halved_bracket(RayHyperBand)
+    assert paused not in controller.stopped and paused.status == Trial.PAUSED, "Ray fixed it: drop our subclass"
+
+
+def test_the_fixed_hyperband_stops_it_after_a_halving():
+    controller, paused = _end_of_a_halved_bracket(HyperBandScheduler)
+    assert paused in controller.stopped and paused.status == Trial.TERMINATED

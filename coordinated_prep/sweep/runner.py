@@ -73,18 +73,22 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1, resume: bool = False,
             searcher.close()
     trials = [_trial_row(r, cfg.metric) for r in results]
     # Tune stops the trials it was running when interrupted (Ctrl-C): the grid then calls them
-    # TERMINATED, but the state it saved for a resume has them unfinished.
+    # TERMINATED, but the state it saved for a resume has them RUNNING or PENDING (and those a
+    # scheduler paused, PAUSED). A sweep that ended by itself has none running or pending; its saved
+    # state may still call a trial PAUSED that HyperBand stopped while paused (Ray 2.60).
     saved = _saved_statuses(path)
-    for row in trials:
-        if row["status"] == "TERMINATED" and saved.get(row["trial"], "TERMINATED") != "TERMINATED":
-            row["status"] = "UNFINISHED"
-    unfinished = sum(row["status"] == "UNFINISHED" for row in trials)
+    unfinished: dict[str, str] = {}
+    if any(status in ("RUNNING", "PENDING") for status in saved.values()):
+        for row in trials:
+            if row["status"] == "TERMINATED" and saved.get(row["trial"], "TERMINATED") != "TERMINATED":
+                row["status"] = "UNFINISHED"
+                unfinished[row["trial"]] = saved[row["trial"]]
     summary = build_summary(trials, reports.get("groups", {}), cfg.metric, cfg.mode, reports.get("caches"),
                             reports.get("evals"))
-    summary["interrupted"] = unfinished > 0
+    summary["interrupted"] = bool(unfinished)
     if unfinished:
-        logger.warning("the sweep was interrupted with %d trials unfinished; resume it with: coordprep sweep %s "
-                       "--resume", unfinished, cfg.path)
+        logger.warning("the sweep was interrupted with %d trials unfinished (saved as %s); resume it with: "
+                       "coordprep sweep %s --resume", len(unfinished), unfinished, cfg.path)
     if resume:  # the data-group figures are this run's; the trials are the whole sweep's
         summary["resumed"] = True
     summary["path"] = write_summary(summary, path)
