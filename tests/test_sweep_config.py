@@ -103,6 +103,9 @@ SCHEDULER = "scheduler: {type: asha, grace_period: 1}"
 NO_GRID = GOOD.replace("{grid: [8, 16]}", "{choice: [8, 16]}")
 
 
+ALL_AT_ONCE = GOOD.replace("max_concurrent_trials: 2", "max_concurrent_trials: 0")  # what HyperBand needs
+
+
 def _with(tmp_path, line: str, base: str = GOOD):
     """GOOD (epochs 2) with its scheduler line replaced by ``line``, parsed."""
     return load_sweep(_write(tmp_path, base.replace(SCHEDULER, line)))
@@ -136,10 +139,10 @@ def test_fifo_and_asha_build_tunes_schedulers(tmp_path):
 
 
 def test_hyperband_is_our_fixed_scheduler_run_for_the_sweeps_epochs(tmp_path):
-    scheduler = _scheduler(_with(tmp_path, "scheduler: {type: hyperband}"))
+    scheduler = _scheduler(_with(tmp_path, "scheduler: {type: hyperband}", ALL_AT_ONCE))
     assert type(scheduler) is HyperBandScheduler, "not Ray's own class: it hangs at the end of a bracket"
     assert scheduler._max_t_attr == 2 and scheduler._eta == 3 and scheduler._time_attr == "training_iteration"
-    scheduler = _scheduler(_with(tmp_path, "scheduler: {type: hyperband, max_t: 9, reduction_factor: 2}"))
+    scheduler = _scheduler(_with(tmp_path, "scheduler: {type: hyperband, max_t: 9, reduction_factor: 2}", ALL_AT_ONCE))
     assert scheduler._max_t_attr == 9 and scheduler._eta == 2
     assert _takes_sweep_metric(scheduler)
 
@@ -318,3 +321,13 @@ def test_specs_are_validated_when_built_in_python_too():
         PBTSpec(hyperparam_mutations={"lr": Dimension("grid", (0.01, 0.1))})
     with pytest.raises(ConfigError, match="search.seed=-2"):
         SearchSpec("random", seed=-2)
+
+
+def test_hyperband_with_fewer_concurrent_trials_than_trials_is_refused(tmp_path):
+    # GOOD has 2 samples x grid of 2 widths = 4 trials.
+    hyperband = GOOD.replace("scheduler: {type: asha, grace_period: 1}", "scheduler: {type: hyperband, max_t: 2}")
+    with pytest.raises(ConfigError, match=r"max_concurrent_trials=2 with scheduler hyperband and 4 trials: .*"
+                                          r"set max_concurrent_trials: 0"):
+        load_sweep(_write(tmp_path, hyperband))
+    assert load_sweep(_write(tmp_path, hyperband.replace("max_concurrent_trials: 2", "max_concurrent_trials: 4")))
+    assert load_sweep(_write(tmp_path, hyperband.replace("max_concurrent_trials: 2", "max_concurrent_trials: 0")))

@@ -43,6 +43,7 @@ Schema (every key but ``trainable`` and ``search_space`` is optional)::
 from __future__ import annotations
 
 import importlib
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping
@@ -93,6 +94,17 @@ class SweepConfig:
     def __post_init__(self) -> None:
         self.scheduler.check_space(self.search_space)
         self.search.check_space(self.search_space)
+        trials = self.num_samples * math.prod(len(v.args) for v in self.search_space.values()
+                                              if isinstance(v, Dimension) and v.kind == "grid")
+        if self.scheduler.type == "hyperband" and 0 < self.max_concurrent_trials < trials:
+            # The searcher creates a trial only when a slot frees; HyperBand puts each trial in a
+            # bracket when it is created, so a bracket is halved before its late trials exist, and
+            # they are never compared with the others (measured: 6 trials, 4 at a time, none halved).
+            raise ConfigError(
+                f"max_concurrent_trials={self.max_concurrent_trials} with scheduler hyperband and {trials} trials: "
+                "synchronous HyperBand needs every trial of a bracket created up front, or its brackets are halved "
+                "before their last trials start; set max_concurrent_trials: 0 and let resources_per_trial bound "
+                "how many run at once")
 
     def trainable_fn(self) -> Callable[[dict], None]:
         """The trainable function this sweep names."""
