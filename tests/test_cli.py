@@ -14,6 +14,15 @@ def test_bad_file_exits_2_with_the_key_named(tmp_path, capsys):
     assert str(path) in err and "num_sampels" in err and "allowed" in err
 
 
+def test_resume_without_a_saved_sweep_exits_2_naming_the_directory(tmp_path, capsys):
+    path = tmp_path / "never_run.yaml"
+    text = open("experiments/default.yaml").read().replace("storage_path: runs", f"storage_path: {tmp_path / 'runs'}")
+    path.write_text(text)
+    assert main(["sweep", str(path), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "no interrupted sweep to resume in" in err and str(tmp_path / "runs" / "default") in err
+
+
 def test_dry_run_validates_without_ray(capsys):
     assert main(["sweep", "experiments/default.yaml", "--dry-run"]) == 0
     assert "valid" in capsys.readouterr().out
