@@ -69,6 +69,7 @@ class EvalSet:
         refs: The resident pieces' objects (owned by the registry), the first ``len(refs)`` pieces.
         samples_prepared: Samples prepared so far (resident once, streamed ones at every read).
         samples_served: Samples handed to trials (the whole split per evaluation).
+        evaluations: Evaluations served (one per ``eval_loader`` pass of a trial).
     """
 
     key: str
