@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import re
 import time
+from typing import Callable, TypeVar
 
 import pytest
 
 from tests.utils import make_imagefolder
+
+T = TypeVar("T")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,19 +52,24 @@ def plasma_objects() -> int:
     return int(match.group(1))
 
 
-def plasma_objects_settled(baseline: int, timeout_s: float = 10.0) -> int:
-    """Objects in the store once Ray's frees have landed: the count as soon as it is back at
-    ``baseline``, or the count after ``timeout_s``.
+def settled(probe: Callable[[], T], expected: T, timeout_s: float = 10.0) -> T:
+    """``probe()`` as soon as it returns ``expected``, or its value after ``timeout_s``.
 
-    Dropping the last reference (or killing the owner) frees a plasma object asynchronously: the
-    raylet deletes it some hundreds of milliseconds later (measured: 12 objects, all without any
-    reference, gone 0.5-1.0 s after ``searcher.close()`` returned). A leak stays above ``baseline``
-    past the deadline and fails the caller's comparison.
+    For what Ray finishes asynchronously after the call that caused it returned, with no event to
+    wait on: a killed actor's process exits, and a freed object leaves the store, some hundreds of
+    milliseconds later (measured: 12 objects, none referenced, gone 0.5-1.0 s after
+    ``searcher.close()`` returned). A real leak is still there after the deadline and fails the
+    caller's comparison.
     """
     deadline = time.monotonic() + timeout_s
-    while (count := plasma_objects()) != baseline and time.monotonic() < deadline:
-        time.sleep(0.2)  # polling a count Ray offers no event for, bounded by the deadline
-    return count
+    while (value := probe()) != expected and time.monotonic() < deadline:
+        time.sleep(0.2)  # polling state Ray offers no event for, bounded by the deadline
+    return value
+
+
+def plasma_objects_settled(baseline: int, timeout_s: float = 10.0) -> int:
+    """Objects in the store once Ray's frees have landed (see :func:`settled`)."""
+    return settled(plasma_objects, baseline, timeout_s)
 
 
 def live_coordprep_actors() -> list[str]:

@@ -12,7 +12,7 @@ import numpy as np
 import ray
 from ray import tune
 
-from coordinated_prep import train_loader
+from coordinated_prep import eval_loader, train_loader
 from tests.harness import sample_digests
 
 
@@ -96,7 +96,8 @@ def record(config: dict) -> None:
     trial resumes at that epoch, declaring the epochs left),
     ``gate`` (name of a :class:`Gate` in the coordinated_prep namespace: after epoch ``gate_after``
     the trial arrives there and waits for the test to open it), ``eval_s`` (seconds of a simulated
-    evaluation after each epoch). Each epoch also records the prep processes alive on the machine.
+    evaluation after each epoch), ``evaluate`` (True: read the held-out split with ``eval_loader``
+    after each epoch). Each epoch also records the prep processes alive on the machine.
     """
     out = os.path.join(config["out"], tune.get_context().get_trial_id())
     os.makedirs(out, exist_ok=True)
@@ -119,6 +120,8 @@ def record(config: dict) -> None:
                  private_samples=loader.private_samples, node=ray.get_runtime_context().get_node_id(),
                  prep_processes=len(pids_titled("ray::PrepActor")))
         metrics = {"epoch": epoch + 1, "score": float(config.get("score", 0.0)) * (epoch + 1)}
+        if config.get("evaluate"):  # one pass over the held-out split, as the ready trainables make
+            metrics["eval_samples"] = sum(len(b) for b in eval_loader(config, 16))
         if config.get("checkpoint"):
             with tempfile.TemporaryDirectory() as d:
                 with open(os.path.join(d, "epoch"), "w") as f:

@@ -12,7 +12,7 @@ import pytest
 from ray import tune
 
 from coordinated_prep import CoordinatedSearcher, DataSpec
-from tests.conftest import REPO, live_coordprep_actors, plasma_objects, plasma_objects_settled
+from tests.conftest import REPO, live_coordprep_actors, plasma_objects, plasma_objects_settled, settled
 from coordinated_prep.sources import open_source
 from tests.harness import assert_exactly_once, check_trial_records, train_ids
 from tests.utils import make_imagefolder
@@ -109,7 +109,7 @@ def test_a_killed_coordinator_fails_its_trials_clearly_and_their_retries_join_a_
     assert report["coordinator_failures"] == 1 and report["coordinators"] == 1, report
     for trial, epochs in load_records(str(tmp_path)).items():
         check_trial_records(spec, epochs, 8, trial)
-    assert pids_titled("ray::Coordinator") == []
+    assert settled(lambda: pids_titled("ray::Coordinator"), []) == [], "a coordinator process outlived the sweep"
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
 
 

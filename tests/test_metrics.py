@@ -15,6 +15,8 @@ from ray import tune
 from coordinated_prep import CoordinatedSearcher, DataSpec
 from coordinated_prep.cache import CacheSpec
 from coordinated_prep.metrics import DEFINITIONS
+from coordinated_prep.plan import holdout_split
+from coordinated_prep.sources import open_source
 from tests.conftest import REPO
 from tests.harness import train_ids
 from tests.recording import record
@@ -48,7 +50,8 @@ def scrape() -> dict[tuple[str, frozenset], float]:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name.startswith("ray_coordprep_"):
-                tags = frozenset((k, v) for k, v in s.labels.items() if k in ("group", "trial", "stage", "kind", "node", "where", "reader"))
+                tags = frozenset((k, v) for k, v in s.labels.items() if k in ("group", "trial", "stage", "kind", "node", "where", "reader",
+                                                                               "pipeline"))
                 key = (s.name[len("ray_"):].removesuffix("_total"), tags)
                 samples[key] = samples.get(key, 0.0) + s.value  # one series per recording process
     return samples
@@ -75,7 +78,7 @@ def test_metrics_are_scraped_during_a_sweep_with_plausible_values(ray_session, s
     try:
         analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}),
                             config={"data": spec, "batch_size": 8, "epochs": epochs, "delay_s": 0.05,
-                                    "score": tune.grid_search([1, 2]), "out": str(tmp_path)},
+                                    "evaluate": True, "score": tune.grid_search([1, 2]), "out": str(tmp_path)},
                             search_alg=searcher, verbose=0)
     finally:
         stop.set()
@@ -112,12 +115,19 @@ def test_metrics_are_scraped_during_a_sweep_with_plausible_values(ray_session, s
     for stage in ("fetch", "decode_augment", "put"):
         assert value(final, "prep_seconds", group=group, stage=stage) > 0, stage
     assert value(final, "consumers", group=group) == 0
-    # The node cache (it holds the whole dataset here): one storage read per sample, hits after that.
-    n = len(train_ids(spec))
+    # The node cache (it holds the whole dataset here): one storage read per sample, hits after that;
+    # the held-out samples are read once too, when the evaluation set is prepared.
+    held = len(holdout_split(len(open_source(spec.dataset)), spec.holdout)[1])
+    n = len(train_ids(spec)) + held
     assert {value(s, "cache_capacity_bytes", node=node) for s in during} - {None} == {32 * 2**20}
     assert value(final, "storage_reads", node=node, reader="cache") == n
     assert value(final, "cache_misses", node=node) >= n  # a request sharing an in-flight load is a miss too
     # Hits served from a snapshot are counted by the prep actors, which the group's close may kill
     # within their last report interval: checked as a lower part of the truth, as the trials' are.
-    assert 0 < value(final, "cache_hits", node=node, where="local") <= expected - n
+    assert 0 < value(final, "cache_hits", node=node, where="local") <= expected - len(train_ids(spec))
     assert 0 < max(value(s, "cache_bytes", node=node) or 0 for s in during) <= 32 * 2**20
+    # The held-out split, prepared once for the sweep and served at each of the trials' evaluations
+    # (the registry exports them; its last second may be lost when the searcher closes it).
+    [pipeline] = {dict(tags)["pipeline"] for name, tags in final if name == "coordprep_eval_samples_prepared"}
+    assert value(final, "eval_samples_prepared", pipeline=pipeline) == held
+    assert held <= value(final, "eval_samples_served", pipeline=pipeline) <= len(trials) * epochs * held
