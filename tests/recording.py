@@ -58,6 +58,22 @@ def _inject(config: dict, epoch: int, step: int) -> None:
         os.kill(int(victims[0].pid), signal.SIGKILL)
 
 
+class Interrupt(tune.Callback):
+    """Interrupts the sweep as Ctrl-C would (SIGINT to the driver) once ``after`` results came in.
+
+    Once per ``marker`` file: Tune restores the callback with the run, and the resumed run goes on.
+    """
+
+    def __init__(self, after: int, marker: str) -> None:
+        self.after, self.seen, self.marker = after, 0, marker
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        self.seen += 1
+        if self.seen >= self.after and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGINT)  # Tune's handler stops the loop and saves the state
+
+
 @ray.remote(num_cpus=0)
 class Gate:
     """Where trials wait for the test: each ``arrive`` and then waits until the test ``open`` s it."""

@@ -7,7 +7,6 @@ stranded trial fails the test instead of hanging it.
 from __future__ import annotations
 
 import os
-import signal
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ from coordinated_prep import CoordinatedSearcher, DataSpec, PoolSpec, train_load
 from coordinated_prep.schedulers import HyperBandScheduler  # Ray's hangs at a bracket's end (see there)
 from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled
 from tests.harness import check_trial_records, sample_digests
-from tests.recording import Gate, load_records, record
+from tests.recording import Gate, Interrupt, load_records, record
 
 PIECE = 8 * 3 * 32 * 32  # bytes of one piece of 8 samples at 32 px
 
@@ -204,22 +203,6 @@ def test_a_sweep_over_four_crop_sizes_costs_one_groups_processes_and_budget(ray_
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
 
 
-class _Interrupt(tune.Callback):
-    """Interrupts the sweep as Ctrl-C would (SIGINT to the driver) once ``after`` results came in.
-
-    Once per ``marker`` file: Tune restores the callback with the run, and the resumed run goes on.
-    """
-
-    def __init__(self, after: int, marker: str) -> None:
-        self.after, self.seen, self.marker = after, 0, marker
-
-    def on_trial_result(self, iteration, trials, trial, result, **info):
-        self.seen += 1
-        if self.seen == self.after and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            os.kill(os.getpid(), signal.SIGINT)  # Tune's handler stops the loop and saves the state
-
-
 def test_a_sweep_interrupted_mid_way_resumes_with_tuner_restore(ray_session, small_dataset, tmp_path):
     baseline = plasma_objects()
     spec = _spec(small_dataset)
@@ -227,7 +210,7 @@ def test_a_sweep_interrupted_mid_way_resumes_with_tuner_restore(ray_session, sma
     param_space = {"data": spec, "batch_size": 8, "epochs": 3, "checkpoint": True, "delay_s": 0.02,
                    "score": tune.grid_search([1, 2, 3, 4]), "out": str(tmp_path / "records")}
     run = tune.RunConfig(name="interrupted", storage_path=str(tmp_path / "results"), verbose=0,
-                         callbacks=[_Interrupt(after=3, marker=str(tmp_path / "interrupted"))])
+                         callbacks=[Interrupt(after=3, marker=str(tmp_path / "interrupted"))])
     tuner = tune.Tuner(tune.with_resources(record, {"cpu": 0.25}), param_space=param_space,
                        tune_config=tune.TuneConfig(search_alg=searcher, metric="score", mode="max"), run_config=run)
     try:

@@ -23,15 +23,20 @@ class _Controller:
         trial.set_status(Trial.TERMINATED)
 
 
-def _first_bracket(cls: type) -> tuple[Any, _Controller, list[Trial]]:
-    """HyperBand (max_t 4, factor 2) and its first bracket's three trials, running (no halving there)."""
+def _running(cls: type, n: int) -> tuple[Any, _Controller, list[Trial]]:
+    """HyperBand (max_t 4, factor 2) with ``n`` trials added and running."""
     scheduler = cls(time_attr="training_iteration", max_t=4, reduction_factor=2, metric="score", mode="max")
     controller = _Controller()
-    trials = [Trial("__fake", stub=True, trial_id=f"t{i}") for i in range(3)]
+    trials = [Trial("__fake", stub=True, trial_id=f"t{i}") for i in range(n)]
     for t in trials:
         scheduler.on_trial_add(controller, t)
         t.set_status(Trial.RUNNING)
     return scheduler, controller, trials
+
+
+def _first_bracket(cls: type) -> tuple[Any, _Controller, list[Trial]]:
+    """HyperBand and its first bracket's three trials, running (no halving there)."""
+    return _running(cls, 3)
 
 
 def _end_of_first_bracket(cls: type) -> tuple[_Controller, Trial]:
@@ -73,12 +78,7 @@ def test_a_last_result_through_on_trial_result_stops_it_in_both(cls):
 def _end_of_a_halved_bracket(cls: type) -> tuple[_Controller, Trial]:
     """A bracket that halved once (three trials at 2, the best two go on to 4): the first of the two
     to reach 4 is paused, the other then ends by completing (its last result arrives as it ends)."""
-    scheduler = cls(time_attr="training_iteration", max_t=4, reduction_factor=2, metric="score", mode="max")
-    controller = _Controller()
-    trials = [Trial("__fake", stub=True, trial_id=f"t{i}") for i in range(6)]
-    for t in trials:
-        scheduler.on_trial_add(controller, t)
-        t.set_status(Trial.RUNNING)
+    scheduler, controller, trials = _running(cls, 6)
     halving = [t for t in trials if scheduler._trial_info[t][0]._halves == 1]  # noqa: SLF001 - the bracket
     assert len(halving) == 3, "max_t 4 and factor 2 put three trials in a bracket that halves at 2"
     a, b, c = halving

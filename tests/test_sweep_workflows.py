@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import textwrap
 
 import pytest
@@ -20,7 +19,7 @@ from coordinated_prep.sweep.config import load_sweep
 from coordinated_prep.sweep.runner import run_sweep
 from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled
 from tests.harness import check_trial_records
-from tests.recording import load_records
+from tests.recording import Interrupt, load_records
 from trainables import small_cnn
 from trainables.common import TuneSession, evaluate, fit
 
@@ -104,26 +103,10 @@ def _last_result(storage: str, row: dict) -> dict:
         return [json.loads(line) for line in f if line.strip()][-1]
 
 
-class _Interrupt(tune.Callback):
-    """Interrupts the sweep as Ctrl-C would (SIGINT to the driver) once ``after`` results came in.
-
-    Once per ``marker`` file: Tune restores the callback with the run, and the resumed run goes on.
-    """
-
-    def __init__(self, after: int, marker: str) -> None:
-        self.after, self.seen, self.marker = after, 0, marker
-
-    def on_trial_result(self, iteration, trials, trial, result, **info):
-        self.seen += 1
-        if self.seen >= self.after and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            os.kill(os.getpid(), signal.SIGINT)  # Tune's handler stops the loop and saves the state
-
-
 def test_an_interrupted_sweep_resumes_with_resume_and_finishes_every_trial(ray_session, small_dataset, tmp_path):
     baseline = plasma_objects()
     cfg = dataclasses.replace(load_sweep(_sweep(tmp_path, small_dataset, "interrupted")), max_concurrent_trials=2)
-    first = run_sweep(cfg, verbose=0, callbacks=[_Interrupt(after=3, marker=str(tmp_path / "interrupted"))])
+    first = run_sweep(cfg, verbose=0, callbacks=[Interrupt(after=3, marker=str(tmp_path / "interrupted"))])
     assert first["interrupted"], [t["status"] for t in first["trials"]]
     finished = {t["trial"] for t in first["trials"] if t["status"] == "TERMINATED"}
     assert len(finished) < 4
