@@ -19,11 +19,11 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from coordinated_prep import metrics
 from coordinated_prep.cache.layout import CacheLayout
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.cache.start import start_caches
 from coordinated_prep.coordinator import Coordinator
-from coordinated_prep import metrics
 from coordinated_prep.errors import PrepError
 from coordinated_prep.eval_set import EvalSet, eval_key, eval_pieces, resident_prefix
 from coordinated_prep.naming import NAMESPACE
