@@ -9,15 +9,35 @@ import numpy as np
 
 from coordinated_prep.contracts import BatchPreprocessor, BatchSource, DataSource, Preprocessor
 from coordinated_prep.errors import SampleError
+from coordinated_prep.readonly import padded_base, padded_empty
 
 
 class PreparedChunk(NamedTuple):
-    """One prepared piece: arrays aligned by position; Ray stores each array zero-copy."""
+    """One prepared piece: arrays aligned by position; Ray stores each array zero-copy.
+
+    Images prepared by :func:`prepare_chunk` and :func:`eval_chunk` lie in a buffer padded by a
+    page on each side (:func:`~coordinated_prep.readonly.padded_empty`), and the piece pickles that
+    whole buffer, so that a trial can map the images' pages read-only without touching another
+    object's bytes (:mod:`coordinated_prep.readonly`).
+    """
 
     images: np.ndarray  # uint8 (n, 3, size, size)
     labels: np.ndarray  # int64 (n,)
     indices: np.ndarray  # int64 (n,): dataset index of each sample
     epoch: int  # the stream epoch whose augmentation draws produced these samples
+
+    def __reduce__(self) -> tuple:
+        found = padded_base(self.images)
+        if found is None:
+            return PreparedChunk, tuple(self)
+        base, offset = found
+        return _unpickle_padded, (base, offset, self.images.shape, self.labels, self.indices, self.epoch)
+
+
+def _unpickle_padded(base: np.ndarray, offset: int, shape: tuple[int, ...], labels: np.ndarray,
+                     indices: np.ndarray, epoch: int) -> PreparedChunk:
+    nbytes = int(np.prod(shape))
+    return PreparedChunk(base[offset : offset + nbytes].reshape(shape), labels, indices, epoch)
 
 
 class ChunkTiming(NamedTuple):
@@ -73,12 +93,14 @@ def prepare_chunk(
     kept: list[int] = []
     if isinstance(preprocessor, BatchPreprocessor) and blobs:
         try:
-            images = preprocessor.train_batch([d for _, d in blobs], seed, epoch, [i for i, _ in blobs])
+            batch = preprocessor.train_batch([d for _, d in blobs], seed, epoch, [i for i, _ in blobs])
+            images = padded_empty(batch.shape)
+            images[...] = batch  # into a padded buffer, so trials can map it read-only
             kept = [i for i, _ in blobs]
         except Exception:  # one bad sample fails the whole batch: find it sample by sample below
             images = None
     if images is None:
-        images = np.empty((len(blobs), 3, size, size), dtype=np.uint8)
+        images = padded_empty((len(blobs), 3, size, size))
         kept = []
         for index, data in blobs:
             try:
@@ -103,12 +125,17 @@ def eval_chunk(source: DataSource, preprocessor: Preprocessor, indices: np.ndarr
     Raises:
         SampleError: A sample's file cannot be read or decoded; names the index and the file.
     """
-    images = []
-    for index in indices.tolist():
+    images: np.ndarray | None = None
+    for k, index in enumerate(indices.tolist()):
         data = source.read(index)
         try:
-            images.append(preprocessor.eval(data))
+            image = preprocessor.eval(data)
         except Exception as e:  # decoders raise RuntimeError/ValueError/OSError: name the file
             raise SampleError(index, source.describe(index), f"cannot decode or transform: {e}") from e
+        if images is None:
+            images = padded_empty((len(indices), *image.shape))
+        images[k] = image
     ids = np.asarray(indices, dtype=np.int64)
-    return PreparedChunk(np.stack(images), source.labels[ids], ids, -1)
+    if images is None:  # no samples: nothing to protect
+        images = np.empty((0, 3, 0, 0), dtype=np.uint8)
+    return PreparedChunk(images, source.labels[ids], ids, -1)

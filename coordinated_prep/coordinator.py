@@ -36,12 +36,12 @@ import ray
 
 from coordinated_prep import metrics
 from coordinated_prep.errors import PrepError
-from coordinated_prep.plan import StreamPlan, holdout_split
+from coordinated_prep.plan import stream_plan
 from coordinated_prep.sources import open_source
 from coordinated_prep.sources.fingerprint import Fingerprint, index_fingerprint
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.staging import SlotState, StagingBuffer
-from coordinated_prep.watch import ProcessWatch, trial_of
+from coordinated_prep.watch import Process, ProcessWatch, trial_of
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +62,8 @@ class Coordinator:
     def __init__(self, spec: DataSpec, name: str, actors: list[Any], budget_bytes: int) -> None:
         self.spec = spec
         self.name = name
-        source = open_source(spec.dataset)
-        train_ids, _ = holdout_split(len(source), spec.holdout)
-        self.plan = StreamPlan(train_ids, spec.seed, spec.chunk_size, spec.segments)
+        self.plan = stream_plan(len(open_source(spec.dataset)), spec.seed, spec.holdout, spec.chunk_size,
+                                spec.segments)
         node_id = ray.get_runtime_context().get_node_id()
         n_actors = len(actors)
         lookahead = spec.lookahead or max(8, 4 * n_actors)
@@ -74,8 +73,7 @@ class Coordinator:
         self.in_flight = 0
         self.tasks: dict[int, ray.ObjectRef] = {}  # piece -> its prep task's timing reference, while in flight
         self.changed = asyncio.Condition()
-        self.watch = ProcessWatch(lambda t, k: self.buffer.is_current(t, k) and not self.closed, self._released,
-                                  self.changed)
+        self.watch = ProcessWatch(lambda t, k: self.buffer.is_current(t, k) and not self.closed, self._released)
         self.closed = False
         self.fatal: BaseException | None = None  # an unexpected producer failure, re-raised to every trial
         self.blocked_since: float | None = None  # since when the lease has been running (see lease_holders)
@@ -96,23 +94,21 @@ class Coordinator:
         metrics.set_gauge("staging_budget_bytes", budget_bytes, group=self.group)
 
     # -- trial-facing API -------------------------------------------------------------------
-    async def join(self, trial: str, epochs: int | None = None, process: Any = None,
-                   process_id: str | None = None) -> dict[str, Any]:
+    async def join(self, trial: str, epochs: int | None = None, process: Process | None = None) -> dict[str, Any]:
         """Register consumer ``trial`` (a trial id, ``#k`` appended for its k-th loader) reading
         ``epochs`` epochs (None: until it leaves).
 
         Args:
             trial: The consumer's id.
             epochs: Epochs it will read, or None.
-            process: The handle of the Tune actor the trial runs in, or None: the coordinator
-                watches it and releases the consumer within seconds of the process ending (Tune
-                pauses, stops and kills trials without telling a search algorithm). A trial id
-                joining from a process that another trial id's consumers came from means Tune
-                reused the actor: those consumers are released at once.
-            process_id: That actor's id.
+            process: The trial's process (on this node), or None: the coordinator watches it and
+                releases the consumer as soon as the process ends (Tune pauses, stops and kills
+                trials without telling a search algorithm). A trial id joining from a Tune actor
+                that another trial id's consumers came from means Tune reused the actor: those
+                consumers are released at once.
 
         Returns:
-            Where its first epoch starts, the epoch size, and its incarnation token.
+            Where its first epoch starts, the epoch size, the piece size, and its incarnation token.
         """
         if self.closed or self.fatal is not None:
             raise PrepError(f"trial {trial}: coordinator {self.name} is shut down or failed ({self.fatal!r})")
@@ -121,14 +117,15 @@ class Coordinator:
         token, start = self.buffer.join(trial, None if epochs is None else epochs * self.plan.chunks_per_epoch)
         self.evicted.pop(trial, None)
         self.stats["trials_joined"] += 1
-        if process is not None and process_id is not None:
-            for other in self.watch.add(trial, token, process, process_id):
+        if process is not None:
+            for other in self.watch.add(trial, token, Process(*process)):
                 logger.info("group %s: Tune reused the actor of %s for trial %s; %s released",
                             self.spec.group_key, other, trial, other)
                 self.buffer.leave(other)
         logger.info("trial %s joined group %s at piece %d", trial, self.spec.group_key, start)
         await self._notify()
         return {"token": token, "start": start, "chunks_per_epoch": self.plan.chunks_per_epoch,
+                "chunk_size": self.plan.chunk_size,
                 "samples_per_epoch": self.plan.samples_per_epoch, "name": self.name}
 
     async def fetch(self, trial: str, token: int, g: int, timeout_s: float) -> dict[str, Any]:

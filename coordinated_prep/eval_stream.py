@@ -10,7 +10,8 @@ import ray
 from coordinated_prep.backends import make_preprocessor
 from coordinated_prep.chunk import PreparedChunk, eval_chunk
 from coordinated_prep.eval_set import STREAM_AHEAD, eval_pieces
-from coordinated_prep.plan import holdout_split
+from coordinated_prep.plan import holdout_split, piece_size
+from coordinated_prep.readonly import protect
 from coordinated_prep.sources import open_source
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.streams import fetch, find_registry
@@ -21,7 +22,7 @@ def private_eval_pieces(spec: DataSpec) -> Iterator[PreparedChunk]:
     source = open_source(spec.dataset)
     preprocessor = make_preprocessor(spec.pipeline)  # type: ignore[arg-type]
     _, held = holdout_split(len(source), spec.holdout)
-    for indices in eval_pieces(held, spec.chunk_size):
+    for indices in eval_pieces(held, piece_size(spec.chunk_size, len(held))):
         yield eval_chunk(source, preprocessor, indices)
 
 
@@ -43,10 +44,15 @@ def shared_eval_pieces(spec: DataSpec, trial: str) -> Iterator[PreparedChunk]:
     requested = len(resident)
     for i in range(plan["pieces"]):
         if i < len(resident):
-            yield fetch(resident[i], trial, f"reading evaluation piece {i}", timeout)
+            yield _read_only(fetch(resident[i], trial, f"reading evaluation piece {i}", timeout))
             continue
         while requested < plan["pieces"] and len(pending) < STREAM_AHEAD:  # bounded look-ahead
             pending.append(registry.eval_piece.remote(plan["key"], requested))
             requested += 1
         answer = fetch(pending.popleft(), trial, f"asking for evaluation piece {i}", timeout)
-        yield fetch(answer["ref"], trial, f"reading evaluation piece {i}", timeout)
+        yield _read_only(fetch(answer["ref"], trial, f"reading evaluation piece {i}", timeout))
+
+
+def _read_only(piece: PreparedChunk) -> PreparedChunk:
+    protect(piece.images)  # every trial of the sweep reads these bytes
+    return piece

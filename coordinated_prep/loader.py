@@ -8,14 +8,10 @@ import math
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Any, Generator, Iterator, Mapping
 
-import numpy as np
-import torch
-
 from coordinated_prep import metrics
-from coordinated_prep.chunk import PreparedChunk
+from coordinated_prep.batching import Batch, BatchStats, batched
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.eval_stream import private_eval_pieces, shared_eval_pieces
 from coordinated_prep.spec import DataSpec
@@ -26,27 +22,6 @@ logger = logging.getLogger(__name__)
 _OUTSIDE_TUNE = "local"
 #: Loaders created per trial id in this process (a retry runs in a new process and counts afresh).
 _LOADERS: collections.Counter[str] = collections.Counter()
-
-
-@dataclass(frozen=True)
-class Batch:
-    """One minibatch, aligned by position.
-
-    Attributes:
-        images: ``torch.uint8`` of shape (N, 3, H, W); normalise on the trial's device.
-        labels: ``torch.int64`` class indices.
-        indices: ``torch.int64`` dataset index of each sample.
-        stream_epochs: ``torch.int64`` stream epoch whose augmentation draw produced each sample
-            (equal to the trial's epoch for a trial that started at piece 0, or unshared).
-    """
-
-    images: torch.Tensor
-    labels: torch.Tensor
-    indices: torch.Tensor
-    stream_epochs: torch.Tensor
-
-    def __len__(self) -> int:
-        return int(self.labels.shape[0])
 
 
 def resolve_spec(config: Mapping[str, Any] | DataSpec, key: str = "data") -> DataSpec:
@@ -84,6 +59,7 @@ class TrainLoader:
         self._tags = dict(tags or {"group": "-", "trial": "-"})
         self.epoch = 0
         self.samples_per_epoch = stream.samples_per_epoch
+        self.stats = BatchStats()  # batches cut, how many were copies, and the CPU they cost this trial
         # The current epoch's iterator, weakly: a `for` loop that breaks drops it, and then it is gone.
         self._live: weakref.ref[Generator[Batch, None, None]] | None = None
 
@@ -143,7 +119,7 @@ class TrainLoader:
         if self._stream.position < first:  # the previous epoch was cut short (break, max steps)
             self._stream.skip_to(first)  # its rest is passed over, so this epoch is again exactly one pass
         pieces = (self._stream.next_piece() for _ in range(self._stream.chunks_per_epoch))
-        yield from _batched(pieces, self.batch_size)
+        yield from batched(pieces, self.batch_size, self.stats)
 
     def close(self) -> None:
         """Leave the data group now instead of when Tune reports the trial finished."""
@@ -154,51 +130,6 @@ class TrainLoader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _batched(pieces: Iterator[PreparedChunk], batch_size: int) -> Iterator[Batch]:
-    """Batches of ``batch_size`` cut from ``pieces`` in order; the last may be smaller."""
-    pending: list[PreparedChunk] = []  # pieces (or their tails) not yet put into a batch
-    have = 0
-    for piece in pieces:
-        pending.append(piece)
-        have += len(piece.labels)
-        while have >= batch_size:
-            batch, pending = _take(pending, batch_size)
-            have -= batch_size
-            yield batch
-    if have:
-        yield _take(pending, have)[0]
-
-
-def _take(pending: list[PreparedChunk], n: int) -> tuple[Batch, list[PreparedChunk]]:
-    """Cut the first ``n`` samples off ``pending`` into a batch; returns (batch, rest)."""
-    first = pending[0]
-    if len(first.labels) == n:
-        # A whole piece is a whole batch: hand out its memory as it is (zero-copy from the store).
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # torch warns that the array is read-only
-            images = torch.from_numpy(first.images)
-        parts, rest = [first], pending[1:]
-    else:
-        parts, rest, need = [], list(pending), n
-        while need:
-            piece = rest.pop(0)
-            k = min(need, len(piece.labels))
-            parts.append(PreparedChunk(piece.images[:k], piece.labels[:k], piece.indices[:k], piece.epoch))
-            if k < len(piece.labels):
-                rest.insert(0, PreparedChunk(piece.images[k:], piece.labels[k:], piece.indices[k:], piece.epoch))
-            need -= k
-        # One copy into trial-owned memory: the batch then pins no shared pieces.
-        images = torch.from_numpy(np.concatenate([p.images for p in parts]))
-    epochs = np.concatenate([np.full(len(p.labels), p.epoch, dtype=np.int64) for p in parts])
-    batch = Batch(
-        images=images,
-        labels=torch.from_numpy(np.concatenate([p.labels for p in parts])),
-        indices=torch.from_numpy(np.concatenate([p.indices for p in parts])),
-        stream_epochs=torch.from_numpy(epochs),
-    )
-    return batch, rest
 
 
 def train_loader(
@@ -219,7 +150,7 @@ def train_loader(
             it, the group prepares nothing past the last piece its trials read; without it, up to
             ``lookahead`` pieces past the end are prepared and dropped when the trials leave.
         key: Config key of the DataSpec.
-        prefetch: Pieces requested ahead; defaults to two batches' worth.
+        prefetch: Pieces requested ahead; defaults to two batches' worth, at least two pieces.
 
     Outside a Tune trial (a sweep's best config trained again, say) a coordinated spec is prepared
     in this process, as with ``coordinated=False``. A trial may create several loaders (other
@@ -242,8 +173,7 @@ def train_loader(
         return TrainLoader(PrivateStream(spec), batch_size, epochs, {"group": spec.group_key, "trial": trial})
     _LOADERS[trial] += 1  # a trial's k-th loader is its own consumer: several loaders per trial work
     consumer = trial if _LOADERS[trial] == 1 else f"{trial}#{_LOADERS[trial]}"
-    depth = prefetch if prefetch is not None else 2 * math.ceil(batch_size / spec.chunk_size) + 1
-    return TrainLoader(SharedStream(spec, trial, consumer, depth, epochs), batch_size, epochs,
+    return TrainLoader(SharedStream(spec, trial, consumer, batch_size, prefetch, epochs), batch_size, epochs,
                        {"group": spec.group_key, "trial": trial})
 
 
@@ -265,7 +195,7 @@ def eval_loader(config: Mapping[str, Any] | DataSpec, batch_size: int, *, key: s
     spec = resolve_spec(config, key)
     trial = _current_trial_id(required=False)
     shared = spec.coordinated and trial != _OUTSIDE_TUNE
-    yield from _batched(shared_eval_pieces(spec, trial) if shared else private_eval_pieces(spec), batch_size)
+    yield from batched(shared_eval_pieces(spec, trial) if shared else private_eval_pieces(spec), batch_size)
 
 
 def _current_trial_id(required: bool = True) -> str:

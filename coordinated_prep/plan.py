@@ -19,6 +19,27 @@ import math
 import numpy as np
 
 _ORDER_STREAM = 0x0DE2  # separates sample-order draws from augmentation draws
+#: Samples per piece when a DataSpec leaves ``chunk_size`` unset: a multiple of every power-of-two
+#: batch size up to it, so that each batch of such a size is a view of one piece (no copy), and
+#: large enough that fetching a piece costs a trial little per batch.
+DEFAULT_PIECE = 256
+_SMALLEST_PIECE = 32
+_PIECES_PER_EPOCH = 8  # an automatic piece is halved (down to 32) until an epoch holds this many
+
+
+def piece_size(chunk_size: int | None, samples: int) -> int:
+    """Samples per piece for a stream of ``samples`` per epoch: ``chunk_size`` if set, else automatic.
+
+    Automatic: ``DEFAULT_PIECE`` (256), halved down to 32 while an epoch would hold fewer than 8
+    pieces, so that small datasets keep several join points per epoch. A pure function of the
+    spec and the dataset size, so that the coordinator and an unshared trial cut the same pieces.
+    """
+    if chunk_size is not None:
+        return chunk_size
+    size = DEFAULT_PIECE
+    while size > _SMALLEST_PIECE and samples < _PIECES_PER_EPOCH * size:
+        size //= 2
+    return size
 
 
 class StreamPlan:
@@ -89,6 +110,12 @@ class StreamPlan:
         order = rng.permutation(self._segments[segment])
         order.setflags(write=False)
         return order
+
+
+def stream_plan(num_samples: int, seed: int, holdout: float, chunk_size: int | None, segments: int) -> StreamPlan:
+    """The plan of a data group over a dataset of ``num_samples`` (its training split, its piece size)."""
+    train_ids, _ = holdout_split(num_samples, holdout)
+    return StreamPlan(train_ids, seed, piece_size(chunk_size, len(train_ids)), segments)
 
 
 def holdout_split(num_samples: int, holdout: float) -> tuple[np.ndarray, np.ndarray]:

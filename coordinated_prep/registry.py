@@ -4,7 +4,8 @@ Ownership chain, top to bottom (each owner's death takes what it owns with it):
 CoordinatedSearcher (driver) -> GroupRegistry -> NodePool per node (prep actors, staging budget)
                                               -> Coordinator per group and node -> pieces;
 GroupRegistry -> EvalSet per evaluation pipeline -> resident evaluation pieces (until shutdown);
-GroupRegistry -> RawCache per node (when the sweep has a cache) -> cached samples.
+GroupRegistry -> RawCache per node (when the sweep has a cache) -> cached samples;
+GroupRegistry -> the index of each ImageFolder per node (until shutdown; see sources/shared_index.py).
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from coordinated_prep.coordinator import Coordinator
 from coordinated_prep.errors import PrepError
 from coordinated_prep.eval_set import EvalSet, eval_key, eval_pieces, resident_prefix
 from coordinated_prep.naming import NAMESPACE
+from coordinated_prep.plan import piece_size
 from coordinated_prep.pool.node import NodePool, node_table
 from coordinated_prep.pool.spec import PoolSpec, split_budget
 from coordinated_prep.sources.fingerprint import Fingerprint, check_same_index
+from coordinated_prep.sources.shared_index import walk
 from coordinated_prep.spec import DataSpec
 
 logger = logging.getLogger(__name__)
@@ -83,6 +86,7 @@ class GroupRegistry:
         self._indexes: dict[str, tuple[str, Fingerprint]] = {}  # dataset -> (first node, its index's fingerprint)
         self._evals: dict[str, EvalSet] = {}  # eval_key -> the held-out split prepared for the sweep
         self._eval_turn = itertools.count()  # round robin of evaluation pieces over a pool's actors
+        self._folder_indexes: dict[tuple[str, str], asyncio.Future] = {}  # (root, node) -> its index's reference
 
     async def start(self) -> dict[str, int]:
         """Start a prep pool on every live node with CPUs and wait until each is ready (warm start).
@@ -114,6 +118,20 @@ class GroupRegistry:
         group.trials.add(trial)
         self._trial_groups.setdefault(trial, set()).add(key)
         return group.actor
+
+    async def folder_index(self, root: str, node: str) -> list[ray.ObjectRef]:
+        """The index of ImageFolder ``root`` on ``node``, walked once per sweep and node (in a list:
+        the caller gets the reference, not the index, and borrows the object).
+
+        Raises:
+            DatasetError: The walk found no usable ImageFolder.
+        """
+        key = (root, node)
+        if key not in self._folder_indexes:  # concurrent first callers share one walk
+            here = ray.get_runtime_context().get_node_id()
+            self._folder_indexes[key] = asyncio.ensure_future(walk(root, node, here))
+            logger.info("indexing dataset %s on node %s once for the sweep", root, node[:12])
+        return [await asyncio.shield(self._folder_indexes[key])]
 
     async def trial_done(self, trial: str) -> None:
         """``trial`` ended for good: it leaves its groups, and an empty group is destroyed."""
@@ -202,6 +220,7 @@ class GroupRegistry:
             del self._groups[key]
             await self._destroy(key, group)
         self._evals.clear()  # the resident evaluation pieces are freed with their references
+        self._folder_indexes.clear()
         for pool in self._pools.values():
             pool.kill()
         self._pools.clear()
@@ -281,7 +300,7 @@ class GroupRegistry:
         """Cut the held-out split into pieces and start preparing the resident ones on ``node``."""
         pool = await self._pool(node)
         held = await asyncio.wait_for(pool.actors[0].held_out.remote(spec), spec.fetch_timeout_s)
-        found = EvalSet(key, spec, node, eval_pieces(held, spec.chunk_size))
+        found = EvalSet(key, spec, node, eval_pieces(held, piece_size(spec.chunk_size, len(held))))
         allowance = int(pool.budget_bytes * self._pool_spec.eval_fraction) - self._eval_bytes(node)
         per_sample = spec.pipeline.sample_bytes  # type: ignore[union-attr]
         resident = resident_prefix([len(p) * per_sample for p in found.pieces], max(allowance, 0))

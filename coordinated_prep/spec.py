@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
 from coordinated_prep.errors import ConfigError
+from coordinated_prep.plan import piece_size
 
 Backend = Literal["torchvision", "dali"]
 OnError = Literal["raise", "skip"]
@@ -100,7 +101,10 @@ class DataSpec:
         coordinated: Share preparation between trials; ``False`` runs the same pipeline
             inside each trial (the baseline, byte-identical for the same seed).
         holdout: Fraction of the dataset held out for evaluation (split fixed per dataset).
-        chunk_size: Samples per prepared piece, the unit of work, staging and freeing.
+        chunk_size: Samples per prepared piece, the unit of work, staging and freeing; ``None``
+            picks 256 (fewer for a training split under 2,048 samples, so that an epoch keeps 8
+            pieces: :func:`coordinated_prep.plan.piece_size`). A trial's batch that lies inside one
+            piece is a view of it, not a copy: batch sizes that divide the piece size never copy.
         segments: Join points per epoch; a trial joining mid-epoch starts at the next one.
         staging_bytes: Most bytes this group may stage on a node; ``None``: its even share of the
             node's staging budget (``PoolSpec``). The node's prep actors and budget are the pool's.
@@ -121,7 +125,7 @@ class DataSpec:
     seed: int = 0
     coordinated: bool = True
     holdout: float = 0.1
-    chunk_size: int = 32
+    chunk_size: int | None = None
     segments: int = 16
     staging_bytes: int | None = None
     lookahead: int | None = None
@@ -143,7 +147,8 @@ class DataSpec:
             raise ConfigError(f"data.coordinated={self.coordinated!r} must be true or false")
         if not isinstance(self.holdout, (int, float)) or not 0.0 <= self.holdout < 1.0:
             raise ConfigError(f"data.holdout={self.holdout!r} must be a fraction in [0, 1)")
-        _check_int("data.chunk_size", self.chunk_size, 1)
+        if self.chunk_size is not None:
+            _check_int("data.chunk_size", self.chunk_size, 1)
         _check_int("data.segments", self.segments, 1)
         if self.staging_bytes is not None:
             _check_int("data.staging_bytes", self.staging_bytes, 1)
@@ -170,8 +175,8 @@ class DataSpec:
 
     @property
     def chunk_bytes(self) -> int:
-        """Bytes of one full prepared piece."""
-        return self.chunk_size * self.pipeline.sample_bytes  # type: ignore[union-attr]
+        """Bytes of one full prepared piece (of the smallest automatic size when ``chunk_size`` is None)."""
+        return piece_size(self.chunk_size, 0) * self.pipeline.sample_bytes  # type: ignore[union-attr]
 
     @property
     def group_key(self) -> str:

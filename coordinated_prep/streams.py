@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 from typing import Any, Protocol
 
 import ray
@@ -12,9 +13,11 @@ from coordinated_prep.backends import make_preprocessor
 from coordinated_prep.chunk import PreparedChunk, prepare_chunk
 from coordinated_prep.errors import ConfigError, PrepError
 from coordinated_prep.naming import NAMESPACE, registry_name
-from coordinated_prep.plan import StreamPlan, holdout_split
+from coordinated_prep.plan import stream_plan
+from coordinated_prep.readonly import protect
 from coordinated_prep.sources import open_source
 from coordinated_prep.spec import DataSpec
+from coordinated_prep.watch import this_process
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +60,7 @@ class PrivateStream:
         self._spec = spec
         self._source = open_source(spec.dataset)
         self._preprocessor = make_preprocessor(spec.pipeline)  # type: ignore[arg-type]
-        train_ids, _ = holdout_split(len(self._source), spec.holdout)
-        self._plan = StreamPlan(train_ids, spec.seed, spec.chunk_size, spec.segments)
+        self._plan = stream_plan(len(self._source), spec.seed, spec.holdout, spec.chunk_size, spec.segments)
         self.start = 0
         self.coordinator = None
         self.chunks_per_epoch = self._plan.chunks_per_epoch
@@ -95,11 +97,13 @@ class SharedStream:
         trial: The Tune trial id.
         consumer: The id the coordinator knows this loader by: the trial id, with ``#k`` appended
             for the trial's k-th loader, so that one trial may read several loaders.
-        prefetch: Pieces requested ahead of the one being consumed (bounded).
+        batch_size: The trial's batch size.
+        prefetch: Pieces requested ahead (bounded); None: two batches' worth, and at least two pieces.
         epochs: Epochs the trial will read, if it knows: nothing past them is requested or prepared.
     """
 
-    def __init__(self, spec: DataSpec, trial: str, consumer: str, prefetch: int, epochs: int | None = None) -> None:
+    def __init__(self, spec: DataSpec, trial: str, consumer: str, batch_size: int, prefetch: int | None = None,
+                 epochs: int | None = None) -> None:
         self._spec = spec
         self._trial = consumer
         self._fallback: PrivateStream | None = None  # set when the lease detaches this trial
@@ -107,9 +111,8 @@ class SharedStream:
         registry = find_registry(trial)
         node = ray.get_runtime_context().get_node_id()  # the group's coordinator on this node serves it
         self._coordinator = self._call(registry.group_for.remote(spec, trial, node), "finding its data group")
-        process, process_id = _this_actor()  # the coordinator watches it: a paused trial's process ends
-        info = self._call(self._coordinator.join.remote(consumer, epochs, process, process_id),
-                          "joining its data group")
+        process = this_process(ray.get_runtime_context().get_actor_id())  # watched: a paused trial's process ends
+        info = self._call(self._coordinator.join.remote(consumer, epochs, process), "joining its data group")
         self.start: int = info["start"]
         self.chunks_per_epoch: int = info["chunks_per_epoch"]
         self.samples_per_epoch: int = info["samples_per_epoch"]
@@ -117,6 +120,8 @@ class SharedStream:
         self._token: int = info["token"]
         self._next = self.start
         self._end = None if epochs is None else self.start + epochs * self.chunks_per_epoch
+        if prefetch is None:  # the piece being cut and the next, or two batches' worth if batches are larger
+            prefetch = max(2, 2 * math.ceil(batch_size / info["chunk_size"]))
         self._prefetch = max(1, prefetch)
         self._pending: collections.deque[tuple[int, ray.ObjectRef]] = collections.deque()
         self._closed = False
@@ -135,7 +140,9 @@ class SharedStream:
         g, answer = self._answer()
         if answer is None:
             return self._fallback.next_piece()  # type: ignore[union-attr]
-        return self._call(answer["ref"], f"reading piece {g}")
+        piece = self._call(answer["ref"], f"reading piece {g}")
+        protect(piece.images)  # other trials read these bytes: this process may not write them
+        return piece
 
     def skip_to(self, g: int) -> None:
         """Pass over the pieces before ``g``: one call to the coordinator, and no waiting."""
@@ -218,15 +225,3 @@ def fetch(ref: ray.ObjectRef, trial: str, doing: str, timeout: float) -> Any:
         raise PrepError(f"trial {trial}: the actor serving it died while {doing}: {e}") from e
     except ray.exceptions.RayError as e:  # e.g. the piece was lost with its owner
         raise PrepError(f"trial {trial}: {doing} failed: {e}") from e
-
-
-def _this_actor() -> tuple[Any, str | None]:
-    """(handle, id) of the Ray actor this process runs (a Tune trial's), or (None, None) outside one."""
-    context = ray.get_runtime_context()
-    actor_id = context.get_actor_id()
-    if actor_id is None:
-        return None, None
-    try:
-        return context.current_actor, actor_id
-    except Exception:  # noqa: BLE001 (not every worker can build its own handle; then nothing is watched)
-        return None, None

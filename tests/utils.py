@@ -28,7 +28,8 @@ def make_imagefolder(root: str, classes: int = 3, per_class: int = 10, size: tup
 
 class FileOpens:
     """Counts opens of the files under ``root`` with Linux inotify: a count of storage reads that
-    does not trust the library's own counters. Use as a context manager; read ``counts`` after.
+    does not trust the library's own counters. Use as a context manager; read ``counts`` (files)
+    and ``dir_opens`` (folders opened to be listed: directory scans) after.
 
     Args:
         root: The directory tree to watch (every folder in it, as inotify does not recurse).
@@ -51,6 +52,7 @@ class FileOpens:
                 raise OSError(ctypes.get_errno(), f"inotify_add_watch({dirpath}) failed")
             self._dirs[wd] = dirpath
         self.counts: collections.Counter[str] = collections.Counter()
+        self.dir_opens: collections.Counter[str] = collections.Counter()  # a folder opened to list it (a walk)
         self.overflowed = False
         self._stop = False
         import threading
@@ -91,3 +93,5 @@ class FileOpens:
                     self.overflowed = True
                 elif name and not mask & self._IN_ISDIR:
                     self.counts[os.path.join(self._dirs[wd], name)] += 1
+                elif not name and mask & self._IN_ISDIR:  # the watched folder itself was opened
+                    self.dir_opens[self._dirs[wd]] += 1

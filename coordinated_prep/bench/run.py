@@ -36,7 +36,7 @@ def data_spec(cfg: BenchConfig, loader: str, dataset: str | None = None) -> Data
     """The DataSpec of ``loader``: the same data and augmentation for all four (``dataset``: another copy)."""
     backend = "dali" if loader.endswith("dali") else "torchvision"
     return DataSpec(dataset=dataset or cfg.dataset, pipeline={"size": cfg.size, "backend": backend}, seed=0,
-                    coordinated=loader.startswith("coordinated"), chunk_size=cfg.batch_size, segments=4)
+                    coordinated=loader.startswith("coordinated"), segments=4)
 
 
 def run_bench(cfg: BenchConfig, progress: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ from coordinated_prep.errors import DatasetError
 from coordinated_prep.sources.imagefolder import ImageFolderSource
 from coordinated_prep.sources.shapes import ensure_shapes
 
-BUILTIN_DATASETS = ("builtin:shapes", "builtin:shapes-large")
+BUILTIN_DATASETS = ("builtin:shapes", "builtin:shapes-large", "builtin:photos")
 #: The Parquet dataset manifest's file name (``coordinated_prep.sources.parquet.MANIFEST``). The
 #: Parquet module is imported only for a Parquet dataset: pyarrow costs a process about 50 MB, and
 #: coordinators, registries and caches open sources too.
@@ -26,7 +26,8 @@ def open_source(dataset: str) -> DataSource:
 
     ``builtin:<name>`` is a generated ImageFolder; a directory holding ``coordprep-parquet.json``
     (written by ``coordprep convert``) is a :class:`ParquetSource`; any other directory is read as
-    an ImageFolder.
+    an ImageFolder. In a process of a coordinated sweep, an ImageFolder's index comes from the
+    sweep (walked once per node, :mod:`coordinated_prep.sources.shared_index`).
 
     Raises:
         DatasetError: Unknown builtin name, missing directory, an unusable layout, or a Parquet
@@ -35,7 +36,11 @@ def open_source(dataset: str) -> DataSource:
     if dataset.startswith("builtin:"):
         if dataset not in BUILTIN_DATASETS:
             raise DatasetError(f"dataset {dataset!r}: unknown builtin dataset; choose one of {list(BUILTIN_DATASETS)}")
-        return ImageFolderSource(ensure_shapes(variant=dataset.removeprefix("builtin:")))
+        if dataset == "builtin:photos":
+            from coordinated_prep.sources.photos import ensure_photos
+
+            return _image_folder(ensure_photos())
+        return _image_folder(ensure_shapes(variant=dataset.removeprefix("builtin:")))
     if os.path.isfile(os.path.join(dataset, PARQUET_MANIFEST)):
         from coordinated_prep.sources.parquet import ParquetSource
 
@@ -44,10 +49,17 @@ def open_source(dataset: str) -> DataSource:
         raise DatasetError(f"dataset {dataset!r} holds Parquet files but no {PARQUET_MANIFEST} manifest (an unfinished "
                            "conversion?); re-run `coordprep convert <imagefolder> <dir> --overwrite`")
     else:
-        source = ImageFolderSource(dataset)
+        source = _image_folder(dataset)
     if len(source) == 0:
         raise DatasetError(f"dataset {dataset!r} holds no images")
     return source
+
+
+def _image_folder(root: str) -> ImageFolderSource:
+    """An ImageFolder from the sweep's index of it on this node (walked once per node), else walked here."""
+    from coordinated_prep.sources.shared_index import shared_index
+
+    return ImageFolderSource(root, shared_index(os.path.abspath(root)))
 
 
 def __getattr__(name: str) -> object:

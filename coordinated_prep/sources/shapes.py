@@ -11,6 +11,7 @@ import math
 import os
 import shutil
 import tempfile
+from typing import Callable
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
@@ -36,23 +37,27 @@ def cache_dir() -> str:
 
 
 def ensure_shapes(root: str | None = None, variant: str = "shapes") -> str:
-    """Return the directory of ``builtin:<variant>``, generating it once if it is missing.
-
-    Generation is deterministic and needs no network. It writes into a temporary sibling and
-    renames it into place, so concurrent callers never see a half-written dataset; a caller
-    that loses the race discards its copy.
-    """
+    """Return the directory of ``builtin:<variant>``, generating it once if it is missing."""
     width, height, per_class = VARIANTS[variant]
     root = root or os.path.join(cache_dir(), f"{variant}-v{_VERSION}")
+    return generate_into(root, lambda out: _generate(out, width, height, per_class),
+                         f"builtin:{variant} ({len(CLASSES) * per_class} JPEGs of {width} x {height} px)")
+
+
+def generate_into(root: str, generate: Callable[[str], None], what: str) -> str:
+    """Return ``root``, first running ``generate(tmp)`` and renaming ``tmp`` to ``root`` if it is missing.
+
+    Generation writes into a temporary sibling and renames it into place, so concurrent callers
+    never see a half-written dataset; a caller that loses the race discards its copy.
+    """
     if os.path.isdir(root):
         return root
     parent = os.path.dirname(root)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".shapes-", dir=parent)
-    logger.info("generating builtin:%s (%d JPEGs of %d x %d px) into %s", variant, len(CLASSES) * per_class,
-                width, height, root)
+    tmp = tempfile.mkdtemp(prefix=".generating-", dir=parent)
+    logger.info("generating %s into %s", what, root)
     try:
-        _generate(tmp, width, height, per_class)
+        generate(tmp)
         os.rename(tmp, root)
     except OSError:
         if not os.path.isdir(root):

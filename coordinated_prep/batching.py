@@ -1,0 +1,131 @@
+"""Cutting prepared pieces into a trial's batches: views of a piece where a batch lies inside one.
+
+A batch that lies inside one piece is a view of the piece's memory (for a shared piece, the
+object store's pages, mapped read-only by :mod:`coordinated_prep.readonly`); only a batch that
+straddles two pieces is copied into memory the trial owns. With the default piece size (256
+samples, :func:`coordinated_prep.plan.piece_size`) every batch of a trial whose batch size divides
+is a view: epochs start and end at piece boundaries, so the last, smaller batch of an epoch is a
+view too. The loaders report the fraction copied and the CPU this costs the trial (``BatchStats``).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from coordinated_prep.chunk import PreparedChunk
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One minibatch, aligned by position.
+
+    Attributes:
+        images: ``torch.uint8`` of shape (N, 3, H, W); normalise on the trial's device. A view of
+            shared memory when the batch lies inside one piece: read it, never write into it
+            (``normalize`` and every out-of-place op are fine; ``images.clone()`` to write).
+        labels: ``torch.int64`` class indices.
+        indices: ``torch.int64`` dataset index of each sample.
+        stream_epochs: ``torch.int64`` stream epoch whose augmentation draw produced each sample
+            (equal to the trial's epoch for a trial that started at piece 0, or unshared).
+    """
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    indices: torch.Tensor
+    stream_epochs: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+
+@dataclass
+class BatchStats:
+    """What cutting batches cost the trial: batches, how many were copies, CPU seconds spent.
+
+    ``cpu_s`` is this thread's CPU time inside the batcher (reading piece answers, mapping pieces,
+    slicing and copying), not the time spent blocked waiting for a piece.
+    """
+
+    batches: int = 0
+    copied: int = 0
+    cpu_s: float = 0.0
+
+    @property
+    def copied_fraction(self) -> float:
+        """Share of batches that were copied (straddling two pieces) rather than views."""
+        return self.copied / self.batches if self.batches else 0.0
+
+    @property
+    def cpu_ms_per_batch(self) -> float:
+        """Trial-side CPU milliseconds per batch."""
+        return 1000 * self.cpu_s / self.batches if self.batches else 0.0
+
+
+def batched(pieces: Iterator[PreparedChunk], batch_size: int, stats: BatchStats | None = None) -> Iterator[Batch]:
+    """Batches of ``batch_size`` cut from ``pieces`` in order; the last may be smaller.
+
+    Args:
+        pieces: The pieces, in stream order.
+        batch_size: Samples per batch.
+        stats: Counters to add this pass's batches, copies and CPU time to.
+    """
+    stats = stats if stats is not None else BatchStats()
+    pending: list[tuple[PreparedChunk, int]] = []  # (piece, first sample not yet batched)
+    have = 0
+    while True:
+        cpu = time.thread_time()
+        piece = next(pieces, None)  # CPU spent reading the answer and mapping the piece counts too
+        if piece is None:
+            break
+        pending.append((piece, 0))
+        have += len(piece.labels)
+        while have >= batch_size:
+            batch, pending = _take(pending, batch_size, stats)
+            have -= batch_size
+            stats.cpu_s += time.thread_time() - cpu
+            yield batch
+            cpu = time.thread_time()
+        stats.cpu_s += time.thread_time() - cpu
+    if have:
+        cpu = time.thread_time()
+        batch, _ = _take(pending, have, stats)
+        stats.cpu_s += time.thread_time() - cpu
+        yield batch
+
+
+def _take(pending: list[tuple[PreparedChunk, int]], n: int,
+          stats: BatchStats) -> tuple[Batch, list[tuple[PreparedChunk, int]]]:
+    """Cut the first ``n`` samples off ``pending``; returns (batch, rest)."""
+    stats.batches += 1
+    piece, at = pending[0]
+    if len(piece.labels) - at >= n:  # inside one piece: a view, no copy
+        rest = pending[1:] if at + n == len(piece.labels) else [(piece, at + n)] + pending[1:]
+        return _batch(piece.images[at : at + n], [(piece, at, at + n)]), rest
+    stats.copied += 1
+    parts, need, rest = [], n, list(pending)
+    while need:
+        piece, at = rest.pop(0)
+        k = min(need, len(piece.labels) - at)
+        parts.append((piece, at, at + k))
+        if at + k < len(piece.labels):
+            rest.insert(0, (piece, at + k))
+        need -= k
+    # One copy into trial-owned memory: the batch then pins no shared pieces.
+    return _batch(np.concatenate([p.images[a:b] for p, a, b in parts]), parts), rest
+
+
+def _batch(images: np.ndarray, parts: list[tuple[PreparedChunk, int, int]]) -> Batch:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns that a shared array is read-only
+        pixels = torch.from_numpy(images)
+    epochs = np.concatenate([np.full(b - a, p.epoch, dtype=np.int64) for p, a, b in parts])
+    return Batch(images=pixels,
+                 labels=torch.from_numpy(np.concatenate([p.labels[a:b] for p, a, b in parts])),
+                 indices=torch.from_numpy(np.concatenate([p.indices[a:b] for p, a, b in parts])),
+                 stream_epochs=torch.from_numpy(epochs))

@@ -1,0 +1,110 @@
+"""Shared pieces mapped read-only in each trial: a write into a batch view cannot reach another trial.
+
+Ray maps its object store writable in every process, and torch has no read-only tensors: without
+this, ``batch.images[0] = 0`` in one trial would change the bytes every other trial of the group
+reads from the same piece. So a trial's process ``mprotect``\\ s the pages of each shared piece's
+images read-only while it holds the piece; a write into them then ends that trial's process with
+SIGSEGV (``faulthandler`` prints the Python stack in the trial's log) instead of corrupting its
+neighbours. The page protection is per process: other readers and the object store are untouched.
+
+Layout (who owns what): the prep actor lays each piece's images inside a buffer with a page of
+padding before and after (:func:`padded_empty`), and :class:`~coordinated_prep.chunk.PreparedChunk`
+pickles the whole buffer, so the pages around the images belong to the piece's own object and
+protecting them never touches another object's bytes. The trial restores the pages' protection
+when its last view of the piece is collected (before Ray may reuse the memory), counting
+protections per page range because one piece may be mapped more than once (a resident evaluation
+piece read at every epoch).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import functools
+import logging
+import mmap
+import threading
+import weakref
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+PAGE = mmap.PAGESIZE
+_PROT_READ, _PROT_WRITE = 0x1, 0x2
+_lock = threading.Lock()
+_held: dict[tuple[int, int], int] = {}  # (page-aligned start, length) -> live mappings of it in this process
+
+
+def padded_empty(shape: tuple[int, ...]) -> np.ndarray:
+    """An uninitialised uint8 array of ``shape`` inside a buffer with a page of padding on each side."""
+    nbytes = int(np.prod(shape))
+    return np.empty(nbytes + 2 * PAGE, dtype=np.uint8)[PAGE : PAGE + nbytes].reshape(shape)
+
+
+def padded_base(images: np.ndarray) -> tuple[np.ndarray, int] | None:
+    """``(buffer, offset)`` if ``images`` lies in a buffer with at least a page of padding on each side."""
+    base = images.base
+    if not isinstance(base, np.ndarray) or base.ndim != 1 or base.dtype != np.uint8 or not images.flags.c_contiguous:
+        return None
+    offset = images.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    if offset < PAGE or base.nbytes - offset - images.nbytes < PAGE:
+        return None
+    return base, offset
+
+
+def protect(images: np.ndarray) -> bool:
+    """Map the pages of ``images`` read-only in this process until its buffer is collected.
+
+    Only a padded piece (:func:`padded_empty`, its pages all its own) is protected; returns whether
+    it was. Anything else (no padding, or not Linux) is left as it is.
+    """
+    found = padded_base(images)
+    if found is None or images.nbytes == 0:
+        return False
+    base, _ = found
+    start = images.__array_interface__["data"][0] // PAGE * PAGE
+    end = -(-(images.__array_interface__["data"][0] + images.nbytes) // PAGE) * PAGE
+    key = (start, end - start)
+    with _lock:
+        if _held.get(key, 0) == 0 and not _mprotect(start, end - start, _PROT_READ):
+            return False
+        _held[key] = _held.get(key, 0) + 1
+    weakref.finalize(base, _release, key)  # runs before the buffer goes back to Ray
+    return True
+
+
+def _release(key: tuple[int, int]) -> None:
+    with _lock:
+        _held[key] -= 1
+        if _held[key] == 0:
+            del _held[key]
+            _mprotect(key[0], key[1], _PROT_READ | _PROT_WRITE)
+
+
+def protected_ranges() -> int:
+    """Page ranges this process holds read-only now (for tests and diagnostics)."""
+    with _lock:
+        return len(_held)
+
+
+def _mprotect(start: int, length: int, prot: int) -> bool:
+    libc = _mprotect_call()
+    if libc is None or libc.mprotect(start, length, prot) != 0:
+        logger.warning("mprotect(%#x, %d) failed (errno %d): shared batches are not protected against writes",
+                       start, length, ctypes.get_errno())
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _mprotect_call() -> ctypes.CDLL | None:
+    """libc with ``mprotect`` typed, or None where it is missing; enables faulthandler on first use."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    except (OSError, AttributeError):
+        return None
+    if not faulthandler.is_enabled():
+        faulthandler.enable()  # a write into a protected batch then prints where it happened
+    return libc

@@ -1,0 +1,78 @@
+"""One walk of an ImageFolder per sweep and node: the group registry keeps the index in the object store.
+
+Ownership: the sweep's :class:`~coordinated_prep.registry.GroupRegistry` owns one index object per
+(dataset directory, node), made on first request and kept until the registry shuts down. On the
+registry's own node it walks the tree in a thread of its own process and puts the result; on another
+node a zero-CPU task pinned there walks it. Every process of the sweep's Ray job that opens the
+dataset (coordinators, prep actors, trials) borrows the object and maps it zero-copy, so a trial's
+start costs no walk at all. Outside a sweep (no registry in this job), :func:`shared_index` returns
+None and the caller walks the tree itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import Any
+
+from coordinated_prep.errors import DatasetError
+from coordinated_prep.naming import NAMESPACE, registry_name
+from coordinated_prep.sources.folder_index import FolderIndex, scan
+
+logger = logging.getLogger(__name__)
+
+_TIMEOUT_S = 600.0  # an ImageNet-sized tree on a slow network filesystem takes minutes to walk
+
+
+def shared_index(root: str) -> FolderIndex | None:
+    """The sweep's index of ImageFolder ``root`` on this node, or None outside a sweep.
+
+    Raises:
+        DatasetError: The walk found no usable ImageFolder (the same error a local walk raises).
+    """
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    context = ray.get_runtime_context()
+    try:
+        registry = ray.get_actor(registry_name(context.get_job_id()), namespace=NAMESPACE)
+    except ValueError:
+        return None  # not in a coordinated sweep's job
+    try:
+        [ref] = ray.get(registry.folder_index.remote(root, context.get_node_id()), timeout=_TIMEOUT_S)
+        return ray.get(ref, timeout=_TIMEOUT_S)
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, DatasetError):
+            raise e.cause from None
+        raise
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+        logger.warning("the sweep's index of %s could not be had (%r); walking it in this process", root, e)
+        return None
+
+
+async def walk(root: str, node: str, local_node: str) -> Any:
+    """Walk ``root`` on ``node``; a reference to its :class:`FolderIndex`, owned by the caller.
+
+    On ``local_node`` (the caller's) the walk runs in a thread of the calling process, so no worker
+    process has to start for it; elsewhere in a zero-CPU task pinned to ``node``.
+
+    Raises:
+        DatasetError: A walk on the local node found no usable ImageFolder (on another node, the
+            reference holds the error and every reader raises it).
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if node == local_node:
+        return ray.put(await asyncio.to_thread(scan, root))
+    affinity = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+    return _scan_task().options(scheduling_strategy=affinity).remote(root)
+
+
+@functools.lru_cache(maxsize=1)
+def _scan_task() -> Any:
+    import ray
+
+    return ray.remote(num_cpus=0, max_retries=0)(scan)

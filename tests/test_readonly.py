@@ -1,0 +1,85 @@
+"""Shared pieces are read-only in a trial's process: a write into a batch view cannot reach another trial."""
+
+from __future__ import annotations
+
+import gc
+import pickle
+
+import numpy as np
+import pytest
+
+from coordinated_prep.batching import batched
+from coordinated_prep.chunk import PreparedChunk
+from coordinated_prep.readonly import PAGE, padded_base, padded_empty, protect, protected_ranges
+
+
+def _piece(n: int = 64, size: int = 32) -> PreparedChunk:
+    images = padded_empty((n, 3, size, size))
+    images[...] = (np.arange(n, dtype=np.uint8) * 3)[:, None, None, None]
+    ids = np.arange(n, dtype=np.int64)
+    return PreparedChunk(images, ids % 5, ids, 0)
+
+
+def _writable(address: int) -> bool:
+    """Whether this process maps ``address`` writable (from /proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return line.split()[1][1] == "w"
+    raise AssertionError(f"{address:#x} is not mapped")
+
+
+def test_pieces_keep_their_padding_through_pickling():
+    piece = _piece()
+    again = pickle.loads(pickle.dumps(piece, protocol=5))
+    base, offset = padded_base(again.images)
+    assert offset >= PAGE and base.nbytes - offset - again.images.nbytes >= PAGE
+    assert np.array_equal(again.images, piece.images) and again.epoch == piece.epoch
+    plain = PreparedChunk(np.zeros((2, 3, 4, 4), np.uint8), piece.labels[:2], piece.indices[:2], 1)
+    assert padded_base(plain.images) is None and pickle.loads(pickle.dumps(plain)).epoch == 1
+
+
+def test_protect_maps_the_pages_read_only_until_the_last_view_is_gone():
+    piece = _piece()
+    address = piece.images.__array_interface__["data"][0]
+    inside = (address // PAGE + 1) * PAGE  # a page wholly inside the images
+    assert _writable(inside)
+    assert protect(piece.images) and protect(piece.images)  # the same piece mapped twice: counted
+    assert not _writable(inside) and protected_ranges() == 1
+    views = list(batched(iter([piece]), 16))  # batches inside the piece are views of it
+    assert all(np.shares_memory(b.images.numpy(), piece.images) for b in views)
+    del piece
+    gc.collect()
+    assert not _writable(inside), "the batch views still hold the piece"
+    del views
+    gc.collect()
+    assert _writable(inside) and protected_ranges() == 0, "released once the last view was collected"
+
+
+def test_an_unpadded_array_is_left_alone():
+    images = np.zeros((8, 3, 32, 32), np.uint8)
+    assert not protect(images) and protected_ranges() == 0
+
+
+def _write_into_first_batch(refs: list, protected: bool) -> None:
+    import ray
+
+    piece = ray.get(refs[0])
+    if protected:
+        protect(piece.images)
+    batch = next(batched(iter([piece]), 16))
+    batch.images[0, 0, 0, 0] = 255  # a trial writing into its batch in place
+
+
+def test_a_write_into_a_shared_batch_kills_the_writer_not_the_neighbours(ray_session):
+    ray = ray_session
+    piece = _piece()  # 196 KiB: in the object store, shared by every reader of the node
+    ref = ray.put(piece)
+    writer = ray.remote(max_retries=0)(_write_into_first_batch)
+    with pytest.raises((ray.exceptions.WorkerCrashedError, ray.exceptions.RayTaskError)):
+        ray.get(writer.remote([ref], True), timeout=60)
+    assert int(ray.get(ref).images[0, 0, 0, 0]) == 0, "another reader still sees the prepared bytes"
+    # Without the protection the same write lands in the store: what the protection prevents.
+    ray.get(writer.remote([ref], False), timeout=60)
+    assert int(ray.get(ref).images[0, 0, 0, 0]) == 255

@@ -1,0 +1,50 @@
+"""The dataset is indexed once per sweep and node: no coordinator, prep actor or trial walks it again."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from ray import tune
+
+from coordinated_prep import CoordinatedSearcher, DataSpec, PoolSpec
+from coordinated_prep.sources import ImageFolderSource
+from coordinated_prep.sources.folder_index import scan
+from tests.harness import check_trial_records
+from tests.recording import load_records, record
+from tests.utils import FileOpens, make_imagefolder
+
+
+def test_the_shared_index_equals_a_walk_and_pickles_small(tmp_path):
+    root = make_imagefolder(str(tmp_path / "data"), classes=3, per_class=7)
+    walked, shared = ImageFolderSource(root), ImageFolderSource(root, scan(root))
+    assert list(shared.paths) == list(walked.paths) and shared.classes == walked.classes
+    assert np.array_equal(shared.labels, walked.labels) and shared.read(4) == walked.read(4)
+    assert shared.paths[-1] == walked.paths[20] and shared.paths[1:3] == list(walked.paths)[1:3]
+
+
+def test_a_sweep_walks_each_class_folder_once_whatever_the_number_of_trials(ray_session, tmp_path):
+    root = make_imagefolder(str(tmp_path / "data"), classes=3, per_class=20)
+    spec = DataSpec(dataset=root, pipeline={"size": 16}, chunk_size=8, segments=2)
+    classes = [os.path.join(root, c) for c in sorted(os.listdir(root))]
+    with FileOpens(root) as opens:
+        searcher = CoordinatedSearcher(pool=PoolSpec(actors=2))
+        analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0,
+                            config={"data": spec, "batch_size": 8, "epochs": 2, "evaluate": True,
+                                    "out": str(tmp_path / "out"), "n": tune.grid_search([1, 2, 3, 4])})
+        searcher.close()
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    # Four trials, a coordinator and two prep actors opened the dataset (trials twice: training and
+    # evaluation); the sweep's one walk is the only listing of each class folder.
+    assert {c: opens.dir_opens[c] for c in classes} == {c: 1 for c in classes}, opens.dir_opens
+    for name, epochs in load_records(str(tmp_path / "out")).items():
+        check_trial_records(spec, epochs, 8, name)
+
+
+def test_outside_a_sweep_each_process_walks_for_itself(tmp_path):
+    root = make_imagefolder(str(tmp_path / "data"), classes=2, per_class=5)
+    first = os.path.join(root, sorted(os.listdir(root))[0])
+    with FileOpens(root) as opens:
+        ImageFolderSource(root)
+        ImageFolderSource(root)
+    assert opens.dir_opens[first] == 2  # the counter sees walks: the sweep test's 1 is not blindness
