@@ -30,6 +30,19 @@ def pids_titled(prefix: str) -> list[int]:
     return pids
 
 
+def warm_prep_processes() -> list[int]:
+    """Prep actor processes that have loaded torch's library (imported what they need to prepare)."""
+    warm = []
+    for pid in pids_titled("ray::PrepActor"):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                if "libtorch_cpu" in f.read():
+                    warm.append(pid)
+        except OSError:
+            continue
+    return warm
+
+
 def _inject(config: dict, epoch: int, step: int) -> None:
     """Fault injection at a deterministic point: after ``fault_step`` batches of epoch 0."""
     fault = config.get("fault")
@@ -117,6 +130,7 @@ def record(config: dict) -> None:
     """
     out = os.path.join(config["out"], tune.get_context().get_trial_id())
     os.makedirs(out, exist_ok=True)
+    warm_at_start = len(warm_prep_processes())  # before this trial asks its group for anything
     first = _restored_epoch()  # 0 unless Tune restored the trial from its checkpoint (pause, PBT, retry)
     if first >= config["epochs"]:
         return  # restored from a checkpoint of its last epoch (a PBT exploit of a finished trial)
@@ -134,7 +148,7 @@ def record(config: dict) -> None:
                  digests=np.concatenate([p[2] for p in parts]), batch_sizes=np.array([p[3] for p in parts]),
                  start=loader.start_piece, coordinator=str(loader.coordinator),
                  private_samples=loader.private_samples, node=ray.get_runtime_context().get_node_id(),
-                 prep_processes=len(pids_titled("ray::PrepActor")))
+                 prep_processes=len(pids_titled("ray::PrepActor")), warm_at_start=warm_at_start)
         metrics = {"epoch": epoch + 1, "score": float(config.get("score", 0.0)) * (epoch + 1)}
         if config.get("evaluate"):  # one pass over the held-out split, as the ready trainables make
             metrics["eval_samples"] = sum(len(b) for b in eval_loader(config, 16))

@@ -49,6 +49,9 @@ def test_a_tiny_bench_runs_every_loader_and_format_and_writes_csv_and_png(ray_se
     for r in reads:  # the whole training split, shuffled, without decoding
         assert int(r["samples"]) == epoch and float(r["samples_per_s"]) > 0 and float(r["mb_per_s"]) > 0, r
     assert (tmp_path / "runs" / "tiny" / "parquet" / MANIFEST).is_file(), "the dataset was converted once"
+    [bound] = [r for r in rows if r["step"] == "decode"]  # the cores' decode-and-augment bound, measured
+    assert float(bound["ms_per_sample"]) > 0 and float(bound["samples_per_s"]) > 0
+    rows = [r for r in rows if r["step"] != "decode"]
     files = [r for r in rows if r["step"] != "read" and r["format"] == "files"]
     assert [(r["step"], r["trials"]) for r in files[::4]] == [("simulated", "1"), ("simulated", "2"), ("cnn", "1")]
     records = [(r["step"], r["loader"], r["trials"]) for r in rows if r["step"] != "read" and r["format"] == "parquet"]
@@ -64,6 +67,11 @@ def test_a_tiny_bench_runs_every_loader_and_format_and_writes_csv_and_png(ray_se
             expected_work = 1.0 if r["loader"].startswith("coordinated") else float(r["trials"])
             assert float(r["prep_work_x"]) == pytest.approx(expected_work), r
         assert (float(r["peak_staging_bytes"]) > 0) == r["loader"].startswith("coordinated"), r
+        assert float(r["samples_per_s_with_startup"]) > 0 and float(r["waited_s"]) > float(r["window_s"]), r
+        if r["step"] == "simulated":
+            assert float(r["trial_cpu_ms_per_batch"]) > 0, r
+        if r["loader"].startswith("coordinated"):  # batches of 16 inside pieces of 32: all views
+            assert float(r["copied_fraction"]) == 0.0 and float(r["vs_prep_bound"]) > 0, r
     assert float(files[0]["vs_best_independent"]) > 0 and float(rows[-1]["vs_best_independent"]) > 0
     png = (tmp_path / "runs" / "tiny" / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

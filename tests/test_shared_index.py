@@ -23,7 +23,7 @@ def test_the_shared_index_equals_a_walk_and_pickles_small(tmp_path):
     assert shared.paths[-1] == walked.paths[20] and shared.paths[1:3] == list(walked.paths)[1:3]
 
 
-def test_a_sweep_walks_each_class_folder_once_whatever_the_number_of_trials(ray_session, tmp_path):
+def test_a_sweep_walks_each_class_folder_once_and_its_trials_find_the_pool_warm(ray_session, tmp_path):
     root = make_imagefolder(str(tmp_path / "data"), classes=3, per_class=20)
     spec = DataSpec(dataset=root, pipeline={"size": 16}, chunk_size=8, segments=2)
     classes = [os.path.join(root, c) for c in sorted(os.listdir(root))]
@@ -39,6 +39,8 @@ def test_a_sweep_walks_each_class_folder_once_whatever_the_number_of_trials(ray_
     assert {c: opens.dir_opens[c] for c in classes} == {c: 1 for c in classes}, opens.dir_opens
     for name, epochs in load_records(str(tmp_path / "out")).items():
         check_trial_records(spec, epochs, 8, name)
+        # A warm start: the node's two prep actors had imported torch before this trial asked for data.
+        assert int(epochs[0]["warm_at_start"]) == 2, name
 
 
 def test_outside_a_sweep_each_process_walks_for_itself(tmp_path):

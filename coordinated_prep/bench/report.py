@@ -9,8 +9,10 @@ from typing import Any, Mapping, Sequence
 from coordinated_prep.sweep.summary import format_table
 
 COLUMNS = ("step", "loader", "format", "cache", "trials", "samples_per_s", "mb_per_s", "storage_mb",
-           "vs_best_independent", "prep_cpu_s", "prep_cpu_ms_per_sample_read", "prep_work_x", "peak_staging_bytes",
-           "stall_fraction", "startup_s", "samples", "samples_read", "window_s", "workers_per_trial")
+           "vs_best_independent", "unique_samples_per_s", "vs_prep_bound", "samples_per_s_with_startup",
+           "vs_best_with_startup", "waited_s", "startup_s", "startup_max_s", "copied_fraction",
+           "trial_cpu_ms_per_batch", "prep_cpu_s", "prep_cpu_ms_per_sample_read", "prep_work_x", "peak_staging_bytes",
+           "stall_fraction", "samples", "samples_read", "window_s", "workers_per_trial", "ms_per_sample")
 
 
 def _num(v: Any, fmt: str) -> str:
@@ -20,8 +22,9 @@ def _num(v: Any, fmt: str) -> str:
 def format_rows(rows: Sequence[Mapping[str, Any]]) -> str:
     """The rows as aligned tables: the read-only rows (if any), then the loaders' rows (if any)."""
     reads = [r for r in rows if r["step"] == "read"]
-    loaders = [r for r in rows if r["step"] != "read"]
-    tables = []
+    loaders = [r for r in rows if r["step"] not in ("read", "decode")]
+    tables = [f"decode and augment on one core: {r['ms_per_sample']:.2f} ms per sample, so {r['samples_per_s']:.0f} "
+              "samples/s at most on the benchmark's cores" for r in rows if r["step"] == "decode"]
     if reads:
         tables.append(format_table(
             ["read-only", "format", "cache", "samples/s", "MB/s", "storage MB read"],
@@ -35,12 +38,17 @@ def format_rows(rows: Sequence[Mapping[str, Any]]) -> str:
 
 def _format_loaders(rows: Sequence[Mapping[str, Any]]) -> str:
     return format_table(
-        ["step", "loader", "data", "N", "samples/s", "vs best indep.", "prep CPU ms/sample", "prep work", "peak MiB",
-         "stall", "start-up s"],
+        ["step", "loader", "data", "N", "samples/s", "vs best indep.", "unique/s", "vs prep bound",
+         "with start-up: samples/s", "vs best", "first batch s (mean/max)", "copied", "trial CPU ms/batch",
+         "prep CPU ms/sample", "prep work", "stall"],
         [[r["step"], r["loader"], r.get("format", "files"), r["trials"], _num(r["samples_per_s"], "{:.0f}"),
-          _num(r.get("vs_best_independent"), "{:.2f}x"), _num(r["prep_cpu_ms_per_sample_read"], "{:.2f}"),
-          _num(r["prep_work_x"], "{:.2f}x"), _num(r["peak_staging_bytes"] / 2**20, "{:.0f}"),
-          _num(r["stall_fraction"], "{:.2f}"), _num(r.get("startup_s"), "{:.1f}")] for r in rows],
+          _num(r.get("vs_best_independent"), "{:.2f}x"), _num(r.get("unique_samples_per_s"), "{:.0f}"),
+          _num(r.get("vs_prep_bound"), "{:.2f}"), _num(r.get("samples_per_s_with_startup"), "{:.0f}"),
+          _num(r.get("vs_best_with_startup"), "{:.2f}x"),
+          f"{_num(r.get('startup_s'), '{:.1f}')}/{_num(r.get('startup_max_s'), '{:.1f}')}",
+          _num(r.get("copied_fraction"), "{:.2f}"), _num(r.get("trial_cpu_ms_per_batch"), "{:.2f}"),
+          _num(r["prep_cpu_ms_per_sample_read"], "{:.2f}"), _num(r["prep_work_x"], "{:.2f}x"),
+          _num(r["stall_fraction"], "{:.2f}")] for r in rows],
     )
 
 
@@ -67,7 +75,7 @@ def plot(rows: Sequence[Mapping[str, Any]], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = [dict(r, line=r["loader"] + ("" if r.get("format", "files") == "files" else f" ({r['format']})"))
-            for r in rows if r["step"] != "read"]
+            for r in rows if r["step"] not in ("read", "decode")]
     steps = list(dict.fromkeys(r["step"] for r in rows))
     fig, axes = plt.subplots(1, len(steps), figsize=(6 * len(steps), 4.5), squeeze=False)
     for ax, step in zip(axes[0], steps):

@@ -31,8 +31,10 @@ def bench_trial(config: Mapping[str, Any]) -> None:
     Reports the samples read after the first batch and the wall-clock window they took
     (``t_first``, ``t_end``: the aggregate rate leaves out every loader's start-up alike, which is
     reported on its own as ``startup_s``, loader creation to first batch), the seconds waiting for
-    data and computing, and the CPU seconds the trial's own preparation took (DataLoader workers,
-    or DALI threads in this process).
+    data and computing, the CPU seconds the trial's own preparation took (DataLoader workers, or
+    DALI threads in this process), and what reading cost the trial's own process per batch
+    (``trial_cpu_ms_per_batch``, with a simulated step; for a coordinated loader also the share
+    of batches copied rather than viewed, and the loader's own CPU per batch).
     """
     from ray import tune
 
@@ -42,7 +44,7 @@ def bench_trial(config: Mapping[str, Any]) -> None:
     step = _step(config, len(open_source(spec.dataset).classes))
     limit = int(config.get("max_batches") or 0)
     cpu0, children0 = time.process_time(), _children_cpu()
-    samples = read = 0  # samples after the first batch; samples in all
+    samples = read = steps = 0  # samples after the first batch; samples in all; batches
     wait = compute = 0.0
     t_created = time.time()
     loader = _loader(kind, config, spec, batch, epochs)
@@ -59,6 +61,7 @@ def bench_trial(config: Mapping[str, Any]) -> None:
                 break
             images, labels = item
             read += len(labels)
+            steps += 1
             if t_first is None:  # steady state starts once the first batch is in
                 t_first, wait = time.time(), 0.0
             else:
@@ -75,10 +78,17 @@ def bench_trial(config: Mapping[str, Any]) -> None:
         # DALI's threads share this process with the step: its CPU is DALI's only when the step
         # sleeps; beside a CNN on the CPU it cannot be told apart.
         private_prep_cpu = time.process_time() - cpu0 if config["step"] == "simulated" else None
+    trial_cpu = time.process_time() - cpu0  # this process, all its threads (Ray's too); not its workers
+    batches = getattr(getattr(loader, "loader", None), "stats", None)  # a coordinated loader's own counters
     if hasattr(loader, "close"):
         loader.close()
-    tune.report({"samples": samples, "samples_read": read, "t_first": t_first or t_end, "t_end": t_end, "startup_s": (t_first or t_end) - t_created, "data_wait_s": wait, "compute_s": compute,
-                 "stall_fraction": wait / max(wait + compute, 1e-9), "private_prep_cpu_s": private_prep_cpu})
+    tune.report({"samples": samples, "samples_read": read, "t_created": t_created, "t_first": t_first or t_end,
+                 "t_end": t_end, "startup_s": (t_first or t_end) - t_created, "data_wait_s": wait,
+                 "compute_s": compute, "stall_fraction": wait / max(wait + compute, 1e-9),
+                 "private_prep_cpu_s": private_prep_cpu, "batches": steps,
+                 "trial_cpu_ms_per_batch": 1000 * trial_cpu / max(steps, 1) if config["step"] == "simulated" else None,
+                 "copied_fraction": batches.copied_fraction if batches is not None else None,
+                 "loader_cpu_ms_per_batch": batches.cpu_ms_per_batch if batches is not None else None})
 
 
 def _children_cpu() -> float:
