@@ -16,13 +16,14 @@ Life cycle of a prepared piece ``g``:
    and returns them to the object store (two objects: timing, and the piece itself).
 3. *Staged*: when the task's timing lands, the slot holds the piece's reference (or its error).
 4. *Fetched*: each consumer's ``fetch`` hands it the nested reference (a borrow); the trial maps
-   the arrays zero-copy and copies only batches that straddle pieces.
+   the arrays zero-copy, read-only (``readonly.py``), hands out every batch that lies inside the
+   piece as a view of it and copies only batches that straddle two pieces (``batching.py``).
 5. *Freed*: when the last consumer fetched it, left, passed over it, or was detached by the lease,
    the coordinator drops its reference; Ray frees the memory once the trials drop theirs too.
 
 A consumer leaves when its loader closes, when Tune reports its trial complete (the registry),
-within seconds when its trial's process ends (a paused, stopped or dead trial: the coordinator
-watches each consumer's Tune actor), or when the lease detaches it.
+as soon as its trial's process ends (a paused, stopped or dead trial: the coordinator watches each
+consumer's process, ``watch.py``), or when the lease detaches it.
 """
 
 from __future__ import annotations

@@ -75,6 +75,9 @@ class ProcessWatch:
         """
         for other in [c for c in self._actors if c not in self._tasks]:
             del self._actors[other]  # their watch ended: forget them
+        if not process.started:  # no /proc here: Tune's completion report and the lease still release it
+            logger.debug("cannot watch the process of trial %s (pid %d) on this system", consumer, process.pid)
+            return []
         key = process.actor_id or f"pid {process.pid}/{process.started}"
         reused = [c for c, a in self._actors.items() if a == key and trial_of(c) != trial_of(consumer)]
         old = self._tasks.pop(consumer, None)
