@@ -13,10 +13,14 @@ from coordinated_prep.schedulers import HyperBandScheduler
 
 
 class _Controller:
-    """What HyperBand calls on Tune's controller: stopping a trial."""
+    """What HyperBand calls on Tune's controller: stopping a trial, and listing the trials."""
 
     def __init__(self) -> None:
         self.stopped: list[Trial] = []
+        self.trials: list[Trial] = []
+
+    def get_trials(self) -> list[Trial]:
+        return self.trials
 
     def stop_trial(self, trial: Trial) -> None:
         self.stopped.append(trial)
@@ -28,6 +32,7 @@ def _running(cls: type, n: int) -> tuple[Any, _Controller, list[Trial]]:
     scheduler = cls(time_attr="training_iteration", max_t=4, reduction_factor=2, metric="score", mode="max")
     controller = _Controller()
     trials = [Trial("__fake", stub=True, trial_id=f"t{i}") for i in range(n)]
+    controller.trials = trials
     for t in trials:
         scheduler.on_trial_add(controller, t)
         t.set_status(Trial.RUNNING)
@@ -104,3 +109,41 @@ def test_rays_hyperband_leaves_a_trial_paused_after_a_halving_too():
 def test_the_fixed_hyperband_stops_it_after_a_halving():
     controller, paused = _end_of_a_halved_bracket(HyperBandScheduler)
     assert paused in controller.stopped and paused.status == Trial.TERMINATED
+
+
+def _ends_while_the_first_is_still_saving(cls: type) -> tuple[Any, _Controller, Trial]:
+    """As ``_end_of_first_bracket``, but the others complete while the first is still saving the
+    checkpoint it pauses with (RUNNING, ``is_saving``): it turns PAUSED only after the bracket was
+    looked at for the last time."""
+    scheduler, controller, trials = _first_bracket(cls)
+    first, *others = trials
+    for t in trials:
+        scheduler.on_trial_result(controller, t, {"training_iteration": 3, "score": 1.0})
+    assert scheduler.on_trial_result(controller, first, {"training_iteration": 4, "score": 1.0}) == TrialScheduler.PAUSE
+    first.temporary_state.saving_to = object()  # Tune saves before it pauses
+    for t in others:
+        t.set_status(Trial.TERMINATED)
+        scheduler.on_trial_complete(controller, t, {"training_iteration": 4, "score": 1.0})
+    first.temporary_state.saving_to = None
+    first.set_status(Trial.PAUSED)
+    return scheduler, controller, first
+
+
+@pytest.mark.parametrize("cls", [RayHyperBand, HyperBandScheduler])
+def test_a_trial_paused_after_its_bracket_ended_is_stopped_at_the_next_choice(cls):
+    scheduler, controller, first = _ends_while_the_first_is_still_saving(cls)
+    assert controller.stopped == [], "nothing could stop it yet: it was saving"
+    assert scheduler.choose_trial_to_run(controller) is None  # Tune's loop asks, finds nothing to run
+    if cls is RayHyperBand:
+        assert controller.stopped == [] and first.status == Trial.PAUSED, "Ray fixed it: drop the safety net"
+    else:
+        assert controller.stopped == [first] and first.status == Trial.TERMINATED
+
+
+def test_the_safety_net_waits_while_any_trial_runs():
+    scheduler, controller, first = _ends_while_the_first_is_still_saving(HyperBandScheduler)
+    other = Trial("__fake", stub=True, trial_id="elsewhere")
+    other.set_status(Trial.RUNNING)  # a trial of another bracket still runs: it may yet move things
+    controller.trials = controller.trials + [other]
+    scheduler.choose_trial_to_run(controller)
+    assert controller.stopped == [] and first.status == Trial.PAUSED
