@@ -81,6 +81,7 @@ def test_a_tiny_bench_runs_every_loader_and_format_and_writes_csv_and_png(ray_se
 def test_the_shipped_bench_file_is_valid():
     cfg = load_bench("experiments/bench.yaml")
     assert cfg.trials == (1, 2, 4, 8) and cfg.size == 224 and cfg.batch_size >= 64
+    assert cfg.dataset == "builtin:photos" and cfg.simulated_step_ms == 5 and cfg.epochs == 3
     assert cfg.record_trials == (1, 4) and cfg.record_loaders == ("dataloader", "coordinated-torchvision")
 
 

@@ -43,7 +43,7 @@ def test_builtin_shapes_are_real_jpegs_of_ten_classes(monkeypatch, tmp_path):
     with Image.open(source.paths[0]) as img:
         assert img.format == "JPEG" and min(img.size) >= 128
     again = shapes.ensure_shapes(str(tmp_path / "shapes"))
-    assert again == root and not [p for p in os.listdir(tmp_path) if p.startswith(".shapes-")]
+    assert again == root and not [p for p in os.listdir(tmp_path) if p.startswith(".generating-")]
     assert np.bincount(source.labels).tolist() == [3] * len(source.classes)
 
 
@@ -58,3 +58,17 @@ def test_builtin_shapes_large_are_imagenet_sized_jpegs(monkeypatch, tmp_path):
 def test_builtin_shapes_default_size_is_a_few_thousand_images_of_at_least_128_px():
     width, height, per_class = shapes.VARIANTS["shapes"]
     assert min(width, height) >= 128 and 2000 <= per_class * len(shapes.CLASSES) <= 10000
+
+
+def test_builtin_photos_are_crops_of_a_photograph_in_two_learnable_classes(monkeypatch, tmp_path):
+    from coordinated_prep.sources import photos
+
+    assert photos.IMAGES_PER_CLASS * len(photos.CLASSES) >= 4000  # the benchmark's size
+    monkeypatch.setattr(photos, "IMAGES_PER_CLASS", 3)
+    source = ImageFolderSource(photos.ensure_photos(str(tmp_path / "photos")))
+    assert source.classes == ("upright", "upside-down") and np.bincount(source.labels).tolist() == [3, 3]
+    with Image.open(source.paths[0]) as img:
+        assert img.format == "JPEG" and img.size == (500, 375)
+        upright = np.asarray(img, dtype=np.float64)
+    assert upright.std() > 20, "a photograph's texture, not a flat fill"
+    assert photos.ensure_photos(str(tmp_path / "photos")) == source.root  # generated once

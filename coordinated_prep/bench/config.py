@@ -24,7 +24,8 @@ class BenchConfig:
     Attributes:
         name: Output folder name under ``storage_path``.
         storage_path: Where ``bench.csv`` and ``bench.png`` go (``<storage_path>/<name>/``).
-        dataset: JPEG dataset (default: 600 generated 500 x 375 px images).
+        dataset: JPEG dataset, an ImageFolder or builtin (default: ``builtin:photos``, 4,096 JPEGs of
+            500 x 375 px cut from a photograph).
         size: Random-resized-crop output size.
         batch_size: Samples per batch (and per piece for the coordinated loaders).
         epochs: Epochs each trial reads.
@@ -49,14 +50,14 @@ class BenchConfig:
 
     name: str = "bench"
     storage_path: str = "runs"
-    dataset: str = "builtin:shapes-large"
+    dataset: str = "builtin:photos"
     size: int = 224
     batch_size: int = 64
-    epochs: int = 2
+    epochs: int = 3
     trials: tuple[int, ...] = (1, 2, 4, 8)
     loaders: tuple[str, ...] = LOADERS
     steps: tuple[str, ...] = STEPS
-    simulated_step_ms: float = 10.0
+    simulated_step_ms: float = 5.0
     cnn_trials: tuple[int, ...] = (1, 2)
     cnn_batches: int = 4
     cnn_width: int = 8
