@@ -1,0 +1,86 @@
+"""Measured coordinated runs for ``coordprep analyze``: N concurrent Tune trials sharing one pipeline.
+
+Each run is one of ``coordprep bench``'s measurements (:func:`coordinated_prep.bench.run.measure`)
+on the experiment's own DataSpec (dataset, pipeline, seed), one epoch per trial, with a simulated
+accelerator step that sleeps, so that a trial's process CPU per batch is what reading costs it.
+The run with the fewest trials gives the model's ``trial_batch_s``; all of them are the measured
+side of the model-vs-measured table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Sequence
+
+from coordinated_prep.errors import ConfigError
+from coordinated_prep.spec import DataSpec
+
+logger = logging.getLogger(__name__)
+
+#: Concurrent trial counts measured by default.
+TRIALS = (1, 4, 8)
+
+
+def parse_trials(text: str) -> tuple[int, ...]:
+    """``"1,4,8"`` as ``(1, 4, 8)``.
+
+    Raises:
+        ConfigError: Not comma-separated positive integers.
+    """
+    try:
+        counts = tuple(sorted({int(part) for part in text.split(",")}))
+    except ValueError:
+        counts = ()
+    if not counts or counts[0] < 1:
+        raise ConfigError(f"analyze: --trials={text!r} must be comma-separated positive integers, e.g. 1,4,8")
+    return counts
+
+
+def coordinated_runs(spec: DataSpec, *, trials: Sequence[int], batch_size: int, step_ms: float, cores: int,
+                     storage_path: str, name: str) -> list[dict[str, Any]]:
+    """Run ``len(trials)`` Tune runs of N coordinated trials each; returns bench's rows, by ascending N.
+
+    Starts a local Ray instance of ``cores`` CPUs unless one is running (then uses it and leaves it up).
+
+    Args:
+        spec: The experiment's DataSpec (sharing is switched on if it was off).
+        trials: Concurrent trial counts.
+        batch_size: Samples per batch each trial reads.
+        step_ms: The simulated step per batch (a sleep: no CPU).
+        cores: Prep actors in the pool, and Ray's CPUs if Ray is started here.
+        storage_path: Tune's results go to ``<storage_path>/<name>/tune``.
+        name: See ``storage_path``.
+    """
+    import ray
+
+    from coordinated_prep.bench.config import BenchConfig
+    from coordinated_prep.bench.run import measure
+
+    bench = BenchConfig(name=name, storage_path=storage_path, dataset=spec.dataset, size=spec.pipeline.size,  # type: ignore[union-attr]
+                        batch_size=batch_size, epochs=1, trials=tuple(trials), loaders=("coordinated-torchvision",),
+                        steps=("simulated",), simulated_step_ms=step_ms, cores=cores, object_store_mb=1024)
+    spec = dataclasses.replace(spec, coordinated=True)
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's per-run banner would bury the tables
+    started = not ray.is_initialized()
+    if started:
+        # Ray's workers inherit this environment (PYTHONPATH included) from the local cluster started here.
+        ray.init(num_cpus=cores, object_store_memory=bench.object_store_mb * 2**20, include_dashboard=False,
+                 log_to_driver=False)
+    try:
+        rows = []
+        for n in sorted(trials):
+            logger.info("analyze: %d coordinated trial(s), one epoch each, simulated %.1f ms step", n, step_ms)
+            rows.append(measure(bench, "coordinated-torchvision", n, "simulated", spec=spec))
+    finally:
+        if started:
+            ray.shutdown()
+    return rows
+
+
+def summarize(row: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a bench row the analysis keeps."""
+    keys = ("trials", "samples", "window_s", "samples_per_s", "unique_samples_per_s", "trial_cpu_ms_per_batch",
+            "copied_fraction", "stall_fraction", "startup_s", "prep_work_x")
+    return {k: row.get(k) for k in keys}
