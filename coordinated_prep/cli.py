@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     analyze.add_argument("--trials", default="1,4,8",
                          help="concurrent trial counts of the measured coordinated runs (default 1,4,8); the "
                               "fewest trials' CPU per batch is the model's trial-side cost")
+    analyze.add_argument("--run-samples", type=int, default=8192,
+                         help="samples each trial of the measured coordinated runs reads, in whole epochs up to "
+                              "this (default 8192)")
     analyze.add_argument("--no-coordinated-runs", action="store_true",
                          help="skip the measured coordinated runs (Ray and Tune; tens of seconds): quicker, but "
                               "the model then has no trial-side cost")
@@ -97,7 +100,7 @@ def _analyze(args: argparse.Namespace) -> int:
         raise ConfigError(f"analyze: --cores={args.cores} must be at least 1")
     trials = () if args.no_coordinated_runs else parse_trials(args.trials)
     report = analyze(cfg, samples=args.samples, cores=args.cores, step_ms=args.step_ms,
-                     disk_probe_dir=args.disk_probe_dir, trials=trials)
+                     disk_probe_dir=args.disk_probe_dir, trials=trials, run_samples=args.run_samples)
     out = args.out or os.path.join(cfg.storage_path, cfg.name, "analysis")
     paths = write_report(report, out)
     sys.stdout.write(format_report(report) + f"\n\nWritten: {paths['json']} and {paths['png']}\n")

@@ -31,7 +31,7 @@ def _experiment(tmp_path, dataset: str, trainable: str = "small_cnn") -> str:
 
 def test_analyze_writes_every_field_and_monotone_predictions(ray_session, small_dataset, tmp_path, capsys):
     assert main(["analyze", _experiment(tmp_path, small_dataset), "--samples", "96", "--cores", "2",
-                 "--trials", "2,1"]) == 0
+                 "--trials", "2,1", "--run-samples", "320"]) == 0
     out = capsys.readouterr().out
     assert "Stalls per epoch" in out and "coordinated samples/s" in out and "model vs measured" in out
     report = json.loads((tmp_path / "runs" / "probe" / "analysis" / "analysis.json").read_text())
@@ -84,7 +84,7 @@ def test_a_trainable_without_a_model_needs_step_ms(small_dataset, tmp_path, caps
 
 @pytest.mark.parametrize("args, named", [(["--samples", "1"], "--samples"), (["--cores", "0"], "--cores"),
                                          (["--step-ms", "0"], "--step-ms"), (["--trials", "0,4"], "--trials"),
-                                         (["--trials", "four"], "--trials")])
+                                         (["--trials", "four"], "--trials"), (["--run-samples", "1"], "--run-samples")])
 def test_bad_arguments_are_named(small_dataset, tmp_path, capsys, args, named):
     assert main(["analyze", _experiment(tmp_path, small_dataset), *args]) == 2
     assert named in capsys.readouterr().err
@@ -123,3 +123,12 @@ def test_a_disk_probe_is_written_only_where_the_user_says_and_never_in_the_datas
     assert _snapshot(small_dataset) == before and not os.listdir(probe)  # the scratch file was removed
     report = json.loads((tmp_path / "runs" / "probe" / "analysis" / "analysis.json").read_text())
     assert report["disk_measured_on"] == f"a scratch file in {probe}"
+
+
+def test_run_length_reads_whole_epochs_up_to_the_bound_and_part_of_a_long_one():
+    from coordinated_prep.analyze.coordinated import parse_trials, run_length
+
+    assert run_length(2700, 32, 8192) == (4, 0)  # 10,800 samples: whole epochs
+    assert run_length(100_000, 32, 8192) == (1, 256)  # 256 batches of one long epoch
+    assert run_length(100_000, 64, 2) == (1, 2)  # never fewer than two batches
+    assert parse_trials("8,1,4,4") == (1, 4, 8)

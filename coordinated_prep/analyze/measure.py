@@ -127,13 +127,22 @@ def read_costs(source: DataSource, paths: Sequence[str], ids: Sequence[int]) -> 
 
 
 def prep_cost(source: DataSource, preprocessor: Preprocessor, ids: Sequence[int], seed: int) -> float:
-    """Seconds to decode and augment one sample on one core (bytes already in memory)."""
+    """CPU seconds to decode and augment one sample on one thread (bytes already in memory).
+
+    CPU time, not wall time: the model divides CPU work over the cores, and other processes on a
+    shared machine would otherwise inflate the cost by the share of the core they took.
+    """
     blobs = [(i, source.read(i)) for i in ids]
-    preprocessor.train(blobs[0][1], seed, 0, blobs[0][0])  # warm-up (lazy imports, first allocations)
-    t0 = time.perf_counter()
-    for i, data in blobs:
-        preprocessor.train(data, seed, 0, i)
-    return (time.perf_counter() - t0) / len(blobs)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core's cost, as one prep worker pays it
+    try:
+        preprocessor.train(blobs[0][1], seed, 0, blobs[0][0])  # warm-up (lazy imports, first allocations)
+        t0 = time.process_time()
+        for i, data in blobs:
+            preprocessor.train(data, seed, 0, i)
+        return (time.process_time() - t0) / len(blobs)
+    finally:
+        torch.set_num_threads(threads)
 
 
 class _SampleDataset(torch.utils.data.Dataset):

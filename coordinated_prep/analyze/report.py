@@ -67,7 +67,8 @@ def _coordinated_table(r: Mapping[str, Any]) -> list[str]:
     rows = runs.get("model_vs_measured") or []
     if not rows:
         return ["Coordinated trials: not measured (--no-coordinated-runs); the model has no trial-side cost", ""]
-    return [f"Coordinated trials, model vs measured (one epoch each, simulated {runs['step_ms']:.1f} ms step, "
+    read = f"{runs['epochs']} epoch(s)" if runs.get("epochs", 1) > 1 else f"up to {runs.get('run_samples')} samples"
+    return [f"Coordinated trials, model vs measured ({read} each, simulated {runs['step_ms']:.1f} ms step, "
             f"batch {runs['batch_size']}):",
             format_table(["trials", "model samples/s", "model speed-up", "measured samples/s", "measured speed-up",
                           "error"],

@@ -25,8 +25,8 @@ import time
 from typing import Any, Mapping, Sequence
 
 from coordinated_prep.analyze import measure
+from coordinated_prep.analyze.coordinated import RUN_SAMPLES, coordinated_runs, run_length, summarize
 from coordinated_prep.analyze.coordinated import TRIALS as MEASURED_TRIALS
-from coordinated_prep.analyze.coordinated import coordinated_runs, summarize
 from coordinated_prep.analyze.model import Rates, against_measured, predict, stalls
 from coordinated_prep.backends import make_preprocessor
 from coordinated_prep.errors import ConfigError
@@ -62,7 +62,7 @@ def representative_config(cfg: SweepConfig) -> dict[str, Any]:
 
 def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, step_ms: float | None = None,
             disk_probe_bytes: int = 128 * 2**20, disk_probe_dir: str | None = None,
-            trials: Sequence[int] = MEASURED_TRIALS) -> dict[str, Any]:
+            trials: Sequence[int] = MEASURED_TRIALS, run_samples: int = RUN_SAMPLES) -> dict[str, Any]:
     """Run the analysis of ``cfg``; returns the report (see :func:`write_report` for the files).
 
     Args:
@@ -78,6 +78,7 @@ def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, s
             dataset's own largest files; nothing is written anywhere near the dataset.
         trials: Concurrent trial counts of the measured coordinated runs (Ray and Tune, one epoch
             each); empty for none, and then the model has no trial-side cost.
+        run_samples: About how many samples each trial of those runs reads (whole epochs up to it).
 
     Raises:
         ConfigError: A trainable without a model and no ``step_ms``, a ``disk_probe_dir`` that is
@@ -85,6 +86,8 @@ def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, s
     """
     if samples < 2:
         raise ConfigError(f"analyze: --samples={samples} must be at least 2")
+    if run_samples < 2:
+        raise ConfigError(f"analyze: --run-samples={run_samples} must be at least 2 (the first batch is start-up)")
     cores = cores or os.cpu_count() or 1
     spec = cfg.data
     source = open_source(spec.dataset)
@@ -118,7 +121,8 @@ def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, s
     run_step_ms = step_ms or 1000 * batch_size / runs["synthetic"]
     rows = [summarize(r) for r in coordinated_runs(spec, trials=trials, batch_size=batch_size, step_ms=run_step_ms,
                                                    cores=cores, storage_path=cfg.storage_path,
-                                                   name=os.path.join(cfg.name, "analysis"))] if trials else []
+                                                   name=os.path.join(cfg.name, "analysis"), epoch_samples=len(train_ids),
+                                                   run_samples=run_samples)] if trials else []
     trial_batch_s = (rows[0]["trial_cpu_ms_per_batch"] or 0.0) / 1000 if rows else 0.0
     n = len(ids)
     sample_bytes = reads["bytes"] / n
@@ -155,7 +159,8 @@ def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, s
                        for t in TRIALS for co in (False, True)],
         },
         "coordinated_runs": {
-            "step_ms": run_step_ms, "batch_size": batch_size, "epochs": 1, "measured": rows,
+            "step_ms": run_step_ms, "batch_size": batch_size, "run_samples": run_samples,
+            "epochs": run_length(len(train_ids), batch_size, run_samples)[0], "measured": rows,
             "model_vs_measured": against_measured(rates, cores, {r["trials"]: r["samples_per_s"] for r in rows})
             if rows else [],
         },
