@@ -13,7 +13,7 @@ from coordinated_prep.cli import main
 
 FIELDS = {"experiment", "trainable", "dataset", "config", "batch_size", "cores", "samples_measured",
           "samples_per_epoch", "step", "bandwidth", "per_sample", "rates", "runs", "stalls_per_epoch", "whatif",
-          "created", "files", "disk_measured_on", "per_batch", "coordinated_runs"}
+          "created", "files", "disk_measured_on", "per_batch", "coordinated_runs", "pool_overhead_per_sample_s"}
 QUICK = ["--no-coordinated-runs"]  # no Ray: only the end-to-end test below runs the coordinated trials
 
 
@@ -60,6 +60,7 @@ def test_analyze_writes_every_field_and_monotone_predictions(ray_session, small_
     assert rows[0]["predicted_speedup"] == rows[0]["measured_speedup"] == 1.0
     assert report["per_batch"]["coordinated_trial_cpu_s"] > 0  # the one-trial run's CPU per batch, in the model
     assert report["rates"]["trial_batch_s"] == report["per_batch"]["coordinated_trial_cpu_s"]
+    assert runs["measured"][0]["pool_cpu_ms_per_sample"] > 0 and report["rates"]["pool_sample_s"] >= 0
     png = tmp_path / "runs" / "probe" / "analysis" / "analysis.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 

@@ -14,7 +14,8 @@ positive = st.floats(1e-6, 1e6, allow_nan=False, allow_infinity=False)
 costs = st.floats(0.0, 1.0, allow_nan=False, allow_infinity=False)
 rates_st = st.builds(Rates, samples=st.integers(1, 10**7), sample_bytes=positive, compute_rate=positive,
                      read_s=costs, cold_read_s=costs, prep_s=costs, disk_bandwidth=positive,
-                     batch_size=st.integers(1, 512), trial_batch_s=costs, dataloader_batch_s=costs)
+                     batch_size=st.integers(1, 512), trial_batch_s=costs, dataloader_batch_s=costs,
+                     pool_sample_s=costs)
 
 
 @settings(max_examples=300, deadline=None)
@@ -64,7 +65,8 @@ def test_cold_cache_becomes_disk_bound_on_a_slow_disk():
 
 
 @pytest.mark.parametrize("field, value", [("samples", 0), ("compute_rate", -1.0), ("prep_s", -0.1), ("batch_size", 0),
-                                          ("trial_batch_s", -1e-3), ("dataloader_batch_s", -1e-3)])
+                                          ("trial_batch_s", -1e-3), ("dataloader_batch_s", -1e-3),
+                                          ("pool_sample_s", -1e-3)])
 def test_bad_rates_are_named(field, value):
     values = dict(samples=10, sample_bytes=1.0, compute_rate=1.0, read_s=0.0, cold_read_s=0.0, prep_s=0.0,
                   disk_bandwidth=1.0, batch_size=1)
@@ -90,7 +92,7 @@ def test_a_trial_side_cost_makes_coordinated_throughput_per_trial_fall_as_trials
 @given(rates=rates_st, cores=st.integers(1, 64), f=st.floats(0, 1), trials=st.integers(1, 16),
        coordinated=st.booleans())
 def test_without_per_batch_costs_the_model_is_the_old_one(rates, cores, f, trials, coordinated):
-    free = dataclasses.replace(rates, trial_batch_s=0.0, dataloader_batch_s=0.0)
+    free = dataclasses.replace(rates, trial_batch_s=0.0, dataloader_batch_s=0.0, pool_sample_s=0.0)
     p = predict(free, trials=trials, cores=cores, cache_fraction=f, coordinated=coordinated)
     passes = 1 if coordinated else trials
     work = passes * free.samples * (free.read_s + (1 - f) * free.cold_read_s + free.prep_s)
@@ -120,3 +122,12 @@ def test_bad_measured_runs_are_named(measured):
                   disk_bandwidth=1.0, batch_size=1)
     with pytest.raises(ValueError, match="measured"):
         against_measured(rates, 1, measured)
+
+
+def test_the_pool_overhead_is_paid_once_per_sample_by_coordinated_trials_only():
+    base = Rates(samples=1000, sample_bytes=1e4, compute_rate=1e6, read_s=0.0, cold_read_s=0.0, prep_s=1e-3,
+                 disk_bandwidth=1e9, batch_size=10)
+    pooled = dataclasses.replace(base, pool_sample_s=5e-4)
+    for n in (1, 8):
+        assert predict(pooled, trials=n, cores=2, coordinated=True).workers_s == pytest.approx(1000 * 1.5e-3 / 2)
+        assert predict(pooled, trials=n, cores=2).workers_s == predict(base, trials=n, cores=2).workers_s

@@ -100,5 +100,9 @@ def coordinated_runs(spec: DataSpec, *, trials: Sequence[int], batch_size: int, 
 def summarize(row: dict[str, Any]) -> dict[str, Any]:
     """The fields of a bench row the analysis keeps."""
     keys = ("trials", "samples", "window_s", "samples_per_s", "unique_samples_per_s", "trial_cpu_ms_per_batch",
-            "copied_fraction", "stall_fraction", "startup_s", "prep_work_x")
-    return {k: row.get(k) for k in keys}
+            "copied_fraction", "stall_fraction", "startup_s", "prep_work_x", "prep_cpu_s")
+    out = {k: row.get(k) for k in keys}
+    # prep_work_x = prepared x trials / read, so the pool's CPU per sample it prepared is:
+    per_read, work = row.get("prep_cpu_ms_per_sample_read"), row.get("prep_work_x")
+    out["pool_cpu_ms_per_sample"] = per_read * row["trials"] / work if per_read is not None and work else None
+    return out

@@ -11,7 +11,9 @@ epoch takes as long as its slowest stage:
 
 ``N`` independent trials do the disk and CPU work ``N`` times (each trial reads the uncached part:
 an LRU page cache smaller than the dataset is thrashed by concurrent readers, the behaviour the
-VLDB 2021 paper measured). Coordinated trials do it once. Every trial also spends CPU in its own
+VLDB 2021 paper measured). Coordinated trials do it once, in a pool of prep actors that pays
+``pool_sample_s`` more per sample than a bare decode (Ray tasks, staging in the object store:
+measured as the pool's CPU per sample prepared, less ``read_s + prep_s``). Every trial also spends CPU in its own
 process per batch, on the same cores as preparation: a coordinated trial receiving pieces and
 assembling batches (``trial_batch_s``, measured as a coordinated trial's process CPU per batch),
 an independent one its DataLoader's main-process work (``dataloader_batch_s``). So with ``N``
@@ -44,6 +46,8 @@ class Rates:
             pieces, assembling and copying batches).
         dataloader_batch_s: CPU seconds an independent trial's DataLoader spends per batch in the
             trial's main process (receiving batches from its workers).
+        pool_sample_s: CPU seconds the coordinated prep pool spends per sample beyond reading,
+            decoding and augmenting it.
     """
 
     samples: int
@@ -56,12 +60,13 @@ class Rates:
     batch_size: int
     trial_batch_s: float = 0.0
     dataloader_batch_s: float = 0.0
+    pool_sample_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("samples", "sample_bytes", "compute_rate", "disk_bandwidth", "batch_size"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Rates.{name}={getattr(self, name)!r} must be positive")
-        for name in ("read_s", "cold_read_s", "prep_s", "trial_batch_s", "dataloader_batch_s"):
+        for name in ("read_s", "cold_read_s", "prep_s", "trial_batch_s", "dataloader_batch_s", "pool_sample_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Rates.{name}={getattr(self, name)!r} must not be negative")
 
@@ -100,6 +105,8 @@ def predict(rates: Rates, *, trials: int = 1, cores: float = 1.0, cache_fraction
     compute_s = s / rates.compute_rate
     disk_s = passes * s * (1.0 - cache_fraction) * rates.sample_bytes / rates.disk_bandwidth
     work = passes * s * (rates.read_s + (1.0 - cache_fraction) * rates.cold_read_s + rates.prep_s)
+    if coordinated:
+        work += s * rates.pool_sample_s
     # Each trial's own per-batch work runs on the cores that prepare (why it adds to the workers stage).
     work += trials * s / rates.batch_size * (rates.trial_batch_s if coordinated else rates.dataloader_batch_s)
     workers_s = work / cores

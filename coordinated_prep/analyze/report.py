@@ -58,7 +58,8 @@ def _per_batch(r: Mapping[str, Any]) -> str:
     pb = r.get("per_batch", {})
     return (f"Per batch, in the trial's own process: {pb.get('coordinated_trial_cpu_s', 0) * 1e3:.2f} ms CPU "
             f"coordinated (fetching pieces, assembling batches), {pb.get('dataloader_main_cpu_s', 0) * 1e3:.2f} ms "
-            "with a DataLoader")
+            f"with a DataLoader; the coordinated prep pool's CPU beyond decode+augment: "
+            f"{r.get('pool_overhead_per_sample_s', 0) * 1e3:.2f} ms per sample")
 
 
 def _coordinated_table(r: Mapping[str, Any]) -> list[str]:

@@ -124,12 +124,14 @@ def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, s
                                                    name=os.path.join(cfg.name, "analysis"), epoch_samples=len(train_ids),
                                                    run_samples=run_samples)] if trials else []
     trial_batch_s = (rows[0]["trial_cpu_ms_per_batch"] or 0.0) / 1000 if rows else 0.0
+    pool_ms = rows[0]["pool_cpu_ms_per_sample"] if rows else None
     n = len(ids)
     sample_bytes = reads["bytes"] / n
     rates = Rates(
         samples=len(train_ids), sample_bytes=sample_bytes, compute_rate=runs["synthetic"], read_s=reads["warm_s"] / n,
         cold_read_s=max(0.0, reads["cold_s"] - reads["warm_s"]) / n, prep_s=prep_s, disk_bandwidth=disk_seq,
         batch_size=batch_size, trial_batch_s=trial_batch_s, dataloader_batch_s=dataloader_batch_s,
+        pool_sample_s=max(0.0, (pool_ms or 0.0) / 1000 - reads["warm_s"] / n - prep_s) if pool_ms else 0.0,
     )
     epoch = len(train_ids)
     measured_epoch = {mode: epoch / rate for mode, rate in runs.items()}
@@ -144,6 +146,7 @@ def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, s
         "per_sample": {"encoded_bytes": sample_bytes, "read_warm_s": rates.read_s, "read_cold_s": reads["cold_s"] / n,
                        "decode_augment_s": prep_s},
         "per_batch": {"coordinated_trial_cpu_s": trial_batch_s, "dataloader_main_cpu_s": dataloader_batch_s},
+        "pool_overhead_per_sample_s": rates.pool_sample_s,
         "rates": dataclasses.asdict(rates),
         "runs": {mode: {"measured_samples_s": runs[mode], "measured_epoch_s": measured_epoch[mode],
                         "predicted_epoch_s": predicted[f"{mode}_s"]} for mode in ("synthetic", "warm", "cold")},
