@@ -76,8 +76,9 @@ def coordinated_runs(spec: DataSpec, *, trials: Sequence[int], batch_size: int, 
     from coordinated_prep.bench.run import measure
 
     epochs, max_batches = run_length(epoch_samples, batch_size, run_samples)
-    bench = BenchConfig(name=name, storage_path=storage_path, dataset=spec.dataset, size=spec.pipeline.size,  # type: ignore[union-attr]
-                        batch_size=batch_size, epochs=epochs, trials=tuple(trials), loaders=("coordinated-torchvision",),
+    size = spec.pipeline.size  # type: ignore[union-attr]
+    bench = BenchConfig(name=name, storage_path=storage_path, dataset=spec.dataset, size=size, batch_size=batch_size,
+                        epochs=epochs, trials=tuple(trials), loaders=("coordinated-torchvision",),
                         steps=("simulated",), simulated_step_ms=step_ms, cores=cores, object_store_mb=1024)
     spec = dataclasses.replace(spec, coordinated=True)
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's per-run banner would bury the tables
@@ -89,7 +90,8 @@ def coordinated_runs(spec: DataSpec, *, trials: Sequence[int], batch_size: int, 
     try:
         rows = []
         for n in sorted(trials):
-            logger.info("analyze: %d coordinated trial(s), %d epoch(s) each, simulated %.1f ms step", n, epochs, step_ms)
+            logger.info("analyze: %d coordinated trial(s), %d epoch(s) each, simulated %.1f ms step", n, epochs,
+                        step_ms)
             rows.append(measure(bench, "coordinated-torchvision", n, "simulated", spec=spec, max_batches=max_batches))
     finally:
         if started:

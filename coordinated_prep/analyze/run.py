@@ -119,10 +119,10 @@ def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, s
     # The runs' simulated step: --step-ms, or the trainable's measured step time as a sleep, so that
     # each trial computes as if on its own accelerator, as the model assumes.
     run_step_ms = step_ms or 1000 * batch_size / runs["synthetic"]
-    rows = [summarize(r) for r in coordinated_runs(spec, trials=trials, batch_size=batch_size, step_ms=run_step_ms,
-                                                   cores=cores, storage_path=cfg.storage_path,
-                                                   name=os.path.join(cfg.name, "analysis"), epoch_samples=len(train_ids),
-                                                   run_samples=run_samples)] if trials else []
+    measured = coordinated_runs(spec, trials=trials, batch_size=batch_size, step_ms=run_step_ms, cores=cores,
+                                storage_path=cfg.storage_path, name=os.path.join(cfg.name, "analysis"),
+                                epoch_samples=len(train_ids), run_samples=run_samples) if trials else []
+    rows = [summarize(r) for r in measured]
     trial_batch_s = (rows[0]["trial_cpu_ms_per_batch"] or 0.0) / 1000 if rows else 0.0
     pool_ms = rows[0]["pool_cpu_ms_per_sample"] if rows else None
     n = len(ids)
