@@ -34,6 +34,15 @@ def main(argv: list[str] | None = None) -> int:
                          help="measure the disk with a 128 MiB scratch file written (and removed) in DIR, a "
                               "directory outside the dataset on its filesystem; by default the dataset's own "
                               "largest files are read, and nothing is written")
+    analyze.add_argument("--trials", default="1,4,8",
+                         help="concurrent trial counts of the measured coordinated runs (default 1,4,8); the "
+                              "fewest trials' CPU per batch is the model's trial-side cost")
+    analyze.add_argument("--run-samples", type=int, default=8192,
+                         help="samples each trial of the measured coordinated runs reads, in whole epochs up to "
+                              "this (default 8192)")
+    analyze.add_argument("--no-coordinated-runs", action="store_true",
+                         help="skip the measured coordinated runs (Ray and Tune; tens of seconds): quicker, but "
+                              "the model then has no trial-side cost")
     bench = sub.add_parser("bench", help="benchmark coordinated prep against a DataLoader and DALI per trial, "
                                          "and raw image files against Parquet record files")
     bench.add_argument("experiment", nargs="?", default="experiments/bench.yaml",
@@ -81,6 +90,7 @@ def _sweep(args: argparse.Namespace) -> int:
 def _analyze(args: argparse.Namespace) -> int:
     import os
 
+    from coordinated_prep.analyze.coordinated import parse_trials
     from coordinated_prep.analyze.report import format_report, write_report
     from coordinated_prep.analyze.run import analyze
     from coordinated_prep.sweep.config import load_sweep
@@ -88,8 +98,9 @@ def _analyze(args: argparse.Namespace) -> int:
     cfg = load_sweep(args.experiment)
     if args.cores is not None and args.cores < 1:
         raise ConfigError(f"analyze: --cores={args.cores} must be at least 1")
+    trials = () if args.no_coordinated_runs else parse_trials(args.trials)
     report = analyze(cfg, samples=args.samples, cores=args.cores, step_ms=args.step_ms,
-                     disk_probe_dir=args.disk_probe_dir)
+                     disk_probe_dir=args.disk_probe_dir, trials=trials, run_samples=args.run_samples)
     out = args.out or os.path.join(cfg.storage_path, cfg.name, "analysis")
     paths = write_report(report, out)
     sys.stdout.write(format_report(report) + f"\n\nWritten: {paths['json']} and {paths['png']}\n")

@@ -10,6 +10,7 @@ names, with a scratch file.
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import time
@@ -126,13 +127,22 @@ def read_costs(source: DataSource, paths: Sequence[str], ids: Sequence[int]) -> 
 
 
 def prep_cost(source: DataSource, preprocessor: Preprocessor, ids: Sequence[int], seed: int) -> float:
-    """Seconds to decode and augment one sample on one core (bytes already in memory)."""
+    """CPU seconds to decode and augment one sample on one thread (bytes already in memory).
+
+    CPU time, not wall time: the model divides CPU work over the cores, and other processes on a
+    shared machine would otherwise inflate the cost by the share of the core they took.
+    """
     blobs = [(i, source.read(i)) for i in ids]
-    preprocessor.train(blobs[0][1], seed, 0, blobs[0][0])  # warm-up (lazy imports, first allocations)
-    t0 = time.perf_counter()
-    for i, data in blobs:
-        preprocessor.train(data, seed, 0, i)
-    return (time.perf_counter() - t0) / len(blobs)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core's cost, as one prep worker pays it
+    try:
+        preprocessor.train(blobs[0][1], seed, 0, blobs[0][0])  # warm-up (lazy imports, first allocations)
+        t0 = time.process_time()
+        for i, data in blobs:
+            preprocessor.train(data, seed, 0, i)
+        return (time.process_time() - t0) / len(blobs)
+    finally:
+        torch.set_num_threads(threads)
 
 
 class _SampleDataset(torch.utils.data.Dataset):
@@ -153,22 +163,28 @@ class _SampleDataset(torch.utils.data.Dataset):
 def end_to_end_rates(
     step: Callable[[torch.Tensor, torch.Tensor], Any], source: DataSource, preprocessor: Preprocessor,
     paths: Sequence[str], ids: Sequence[int], seed: int, size: int, batch_size: int, workers: int,
-) -> dict[str, float]:
+) -> tuple[dict[str, float], float]:
     """Samples per second of ``step`` fed three ways: synthetic in-memory data, cold and warm cache.
 
     ``step(images, labels)`` is one training step on a uint8 batch. The cold and warm runs use a
     ``DataLoader`` with ``workers`` processes over ``ids`` (at least two batches of them); each rate
     is timed from the first batch on, so worker start-up is left out.
+
+    Returns:
+        The three rates by mode, and the CPU seconds per batch the DataLoader costs the trial's own
+        process (the warm run's process CPU per batch less the synthetic run's, which is the step's).
     """
     n = len(ids)
     images = torch.randint(0, 256, (batch_size, 3, size, size), dtype=torch.uint8)
     labels = torch.zeros(batch_size, dtype=torch.int64)
     step(images, labels)  # warm-up
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for lo in range(0, n, batch_size):
         k = min(batch_size, n - lo)
         step(images[:k], labels[:k])
     rates = {"synthetic": n / (time.perf_counter() - t0)}
+    step_cpu = (time.process_time() - cpu0) / math.ceil(n / batch_size)
+    loader_cpu = 0.0
     dataset = _SampleDataset(source, preprocessor, ids, seed)
     for mode in ("cold", "warm"):
         if mode == "cold":
@@ -178,11 +194,14 @@ def end_to_end_rates(
         batches = iter(loader)
         first_images, first_labels = next(batches)  # worker start-up is not part of the rate
         step(first_images, first_labels)
-        t0 = time.perf_counter()
+        t0, cpu0, count = time.perf_counter(), time.process_time(), 0
         for batch_images, batch_labels in batches:
             step(batch_images, batch_labels)
+            count += 1
         rates[mode] = (n - len(first_labels)) / (time.perf_counter() - t0)
-    return rates
+        if mode == "warm":
+            loader_cpu = max(0.0, (time.process_time() - cpu0) / max(count, 1) - step_cpu)
+    return rates, loader_cpu
 
 
 def sample_ids(total: Sequence[int] | np.ndarray, count: int, seed: int) -> list[int]:

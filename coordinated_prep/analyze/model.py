@@ -11,8 +11,14 @@ epoch takes as long as its slowest stage:
 
 ``N`` independent trials do the disk and CPU work ``N`` times (each trial reads the uncached part:
 an LRU page cache smaller than the dataset is thrashed by concurrent readers, the behaviour the
-VLDB 2021 paper measured). Coordinated trials do it once, plus one copy of every prepared sample
-per trial out of shared memory (``serve_s``).
+VLDB 2021 paper measured). Coordinated trials do it once, in a pool of prep actors that pays
+``pool_sample_s`` more per sample than a bare decode (Ray tasks, staging in the object store:
+measured as the pool's CPU per sample prepared, less ``read_s + prep_s``). Every trial also spends CPU in its own
+process per batch, on the same cores as preparation: a coordinated trial receiving pieces and
+assembling batches (``trial_batch_s``, measured as a coordinated trial's process CPU per batch),
+an independent one its DataLoader's main-process work (``dataloader_batch_s``). So with ``N``
+trials the workers stage holds ``passes * S * (read + prep) + N * (S / batch) * per_batch``
+CPU-seconds over the cores: coordinated throughput per trial falls as ``N`` grows.
 
 More cache or more cores never predicts less throughput, and no prediction exceeds what the
 trials' compute can ingest; ``tests/test_analyze_model.py`` checks both over random rates.
@@ -35,7 +41,13 @@ class Rates:
         cold_read_s: Further seconds a reader waits for one sample that is not cached.
         prep_s: CPU seconds to decode and augment one sample (one core).
         disk_bandwidth: Bytes per second read from the disk with a cold cache.
-        serve_s: Seconds to copy one prepared sample out of shared memory into a trial.
+        batch_size: Samples per batch a trial reads.
+        trial_batch_s: CPU seconds a coordinated trial's own process spends per batch (fetching
+            pieces, assembling and copying batches).
+        dataloader_batch_s: CPU seconds an independent trial's DataLoader spends per batch in the
+            trial's main process (receiving batches from its workers).
+        pool_sample_s: CPU seconds the coordinated prep pool spends per sample beyond reading,
+            decoding and augmenting it.
     """
 
     samples: int
@@ -45,13 +57,16 @@ class Rates:
     cold_read_s: float
     prep_s: float
     disk_bandwidth: float
-    serve_s: float
+    batch_size: int
+    trial_batch_s: float = 0.0
+    dataloader_batch_s: float = 0.0
+    pool_sample_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("samples", "sample_bytes", "compute_rate", "disk_bandwidth"):
+        for name in ("samples", "sample_bytes", "compute_rate", "disk_bandwidth", "batch_size"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Rates.{name}={getattr(self, name)!r} must be positive")
-        for name in ("read_s", "cold_read_s", "prep_s", "serve_s"):
+        for name in ("read_s", "cold_read_s", "prep_s", "trial_batch_s", "dataloader_batch_s", "pool_sample_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Rates.{name}={getattr(self, name)!r} must not be negative")
 
@@ -90,8 +105,10 @@ def predict(rates: Rates, *, trials: int = 1, cores: float = 1.0, cache_fraction
     compute_s = s / rates.compute_rate
     disk_s = passes * s * (1.0 - cache_fraction) * rates.sample_bytes / rates.disk_bandwidth
     work = passes * s * (rates.read_s + (1.0 - cache_fraction) * rates.cold_read_s + rates.prep_s)
-    if coordinated and trials > 1:
-        work += trials * s * rates.serve_s
+    if coordinated:
+        work += s * rates.pool_sample_s
+    # Each trial's own per-batch work runs on the cores that prepare (why it adds to the workers stage).
+    work += trials * s / rates.batch_size * (rates.trial_batch_s if coordinated else rates.dataloader_batch_s)
     workers_s = work / cores
     stages = {"compute": compute_s, "disk": disk_s, "workers": workers_s}
     bottleneck = max(stages, key=stages.__getitem__)
@@ -111,3 +128,25 @@ def stalls(rates: Rates, cores: float) -> dict[str, float]:
     cold = predict(rates, cores=cores, cache_fraction=0.0).epoch_s
     return {"synthetic_s": synthetic, "warm_s": warm, "cold_s": cold, "prep_stall_s": warm - synthetic,
             "fetch_stall_s": cold - warm}
+
+
+def against_measured(rates: Rates, cores: float, measured: dict[int, float]) -> list[dict[str, float]]:
+    """The model's coordinated throughput beside measured coordinated runs, one row per trial count.
+
+    Args:
+        rates: The measured rates (``trial_batch_s`` included).
+        cores: CPU cores the runs had.
+        measured: Aggregate samples per second measured, by concurrent trials; the smallest count
+            is the base of both speed-ups.
+
+    Returns:
+        Rows of ``trials``, ``predicted_samples_s``, ``predicted_speedup``, ``measured_samples_s``,
+        ``measured_speedup`` and ``error`` (predicted / measured - 1), in ascending trials.
+    """
+    if not measured or any(n < 1 or not r > 0 for n, r in measured.items()):
+        raise ValueError(f"measured={measured!r} must map trial counts >= 1 to positive samples/s")
+    base = min(measured)
+    predicted = {n: predict(rates, trials=n, cores=cores, coordinated=True).throughput for n in measured}
+    return [{"trials": n, "predicted_samples_s": predicted[n], "predicted_speedup": predicted[n] / predicted[base],
+             "measured_samples_s": measured[n], "measured_speedup": measured[n] / measured[base],
+             "error": predicted[n] / measured[n] - 1.0} for n in sorted(measured)]

@@ -26,6 +26,7 @@ def format_report(r: Mapping[str, Any]) -> str:
         f"memory copy {_mb(bw['memory_copy_bytes_s'])}",
         f"Per sample: {ps['encoded_bytes'] / 1024:.1f} KiB encoded; read {ps['read_warm_s'] * 1e3:.3f} ms warm, "
         f"{ps['read_cold_s'] * 1e3:.3f} ms cold; decode+augment {ps['decode_augment_s'] * 1e3:.2f} ms on one core",
+        _per_batch(r),
         "",
         format_table(["run", "samples/s", "epoch s", "model epoch s"],
                [[mode, f"{v['measured_samples_s']:.1f}", f"{v['measured_epoch_s']:.1f}", f"{v['predicted_epoch_s']:.1f}"]
@@ -43,6 +44,7 @@ def format_report(r: Mapping[str, Any]) -> str:
     lines.append(format_table(["prep cores", "samples/s", "bottleneck"],
                         [[c["cores"], f"{c['throughput']:.0f}", c["bottleneck"]] for c in r["whatif"]["cores"]]))
     lines.append("")
+    lines.extend(_coordinated_table(r))
     trials: dict[int, dict[bool, Mapping[str, Any]]] = {}
     for t in r["whatif"]["trials"]:
         trials.setdefault(t["trials"], {})[t["coordinated"]] = t
@@ -50,6 +52,30 @@ def format_report(r: Mapping[str, Any]) -> str:
                         [[n, f"{v[False]['throughput']:.0f}", f"{v[True]['throughput']:.0f}",
                           f"{v[True]['throughput'] / v[False]['throughput']:.2f}x"] for n, v in sorted(trials.items())]))
     return "\n".join(lines)
+
+
+def _per_batch(r: Mapping[str, Any]) -> str:
+    pb = r.get("per_batch", {})
+    return (f"Per batch, in the trial's own process: {pb.get('coordinated_trial_cpu_s', 0) * 1e3:.2f} ms CPU "
+            f"coordinated (fetching pieces, assembling batches), {pb.get('dataloader_main_cpu_s', 0) * 1e3:.2f} ms "
+            f"with a DataLoader; the coordinated prep pool's CPU beyond decode+augment: "
+            f"{r.get('pool_overhead_per_sample_s', 0) * 1e3:.2f} ms per sample")
+
+
+def _coordinated_table(r: Mapping[str, Any]) -> list[str]:
+    """Model against the measured coordinated runs, when they ran."""
+    runs = r.get("coordinated_runs") or {}
+    rows = runs.get("model_vs_measured") or []
+    if not rows:
+        return ["Coordinated trials: not measured (--no-coordinated-runs); the model has no trial-side cost", ""]
+    read = f"{runs['epochs']} epoch(s)" if runs.get("epochs", 1) > 1 else f"up to {runs.get('run_samples')} samples"
+    return [f"Coordinated trials, model vs measured ({read} each, simulated {runs['step_ms']:.1f} ms step, "
+            f"batch {runs['batch_size']}):",
+            format_table(["trials", "model samples/s", "model speed-up", "measured samples/s", "measured speed-up",
+                          "error"],
+                         [[x["trials"], f"{x['predicted_samples_s']:.0f}", f"{x['predicted_speedup']:.2f}x",
+                           f"{x['measured_samples_s']:.0f}", f"{x['measured_speedup']:.2f}x", f"{x['error']:+.0%}"]
+                          for x in rows]), ""]
 
 
 def write_report(r: Mapping[str, Any], directory: str) -> dict[str, str]:
@@ -98,6 +124,10 @@ def plot(r: Mapping[str, Any], path: str) -> None:
     for coordinated, label in ((False, "independent pipelines"), (True, "coordinated prep")):
         rows = [t for t in r["whatif"]["trials"] if t["coordinated"] == coordinated]
         ax.plot([t["trials"] for t in rows], [t["throughput"] for t in rows], marker="o", label=label)
+    measured = (r.get("coordinated_runs") or {}).get("model_vs_measured") or []
+    if measured:
+        ax.plot([x["trials"] for x in measured], [x["measured_samples_s"] for x in measured], "k^", linestyle="none",
+                label="coordinated prep, measured")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent trials")
     ax.set_ylabel("samples/s, all trials")

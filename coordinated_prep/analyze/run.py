@@ -7,8 +7,12 @@ The steps, all on the experiment's own dataset, pipeline and trainable:
 3. the trainable's training step on synthetic in-memory batches (its maximum ingestion rate);
 4. the three DS-Analyzer runs, end to end with a ``DataLoader``: synthetic, cold cache, warm cache;
    their differences are the prep stall (warm - synthetic) and fetch stall (cold - warm) per epoch;
-5. the model of :mod:`coordinated_prep.analyze.model` fed with 1-3, checked against 4 and asked
-   what-if questions: cache size, CPU cores, and N concurrent trials with and without coordination.
+5. measured coordinated runs: N = 1, 4, 8 concurrent Tune trials sharing the experiment's own
+   pipeline, one epoch each, with a simulated step; the fewest trials' process CPU per batch is
+   the model's trial-side cost (:mod:`coordinated_prep.analyze.coordinated`);
+6. the model of :mod:`coordinated_prep.analyze.model` fed with 1-3 and 5, checked against 4 and 5
+   and asked what-if questions: cache size, CPU cores, and N concurrent trials with and without
+   coordination.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import logging
 import math
 import os
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from coordinated_prep.analyze import measure
-from coordinated_prep.analyze.model import Rates, predict, stalls
+from coordinated_prep.analyze.coordinated import RUN_SAMPLES, coordinated_runs, run_length, summarize
+from coordinated_prep.analyze.coordinated import TRIALS as MEASURED_TRIALS
+from coordinated_prep.analyze.model import Rates, against_measured, predict, stalls
 from coordinated_prep.backends import make_preprocessor
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.plan import holdout_split
@@ -55,7 +61,8 @@ def representative_config(cfg: SweepConfig) -> dict[str, Any]:
 
 
 def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, step_ms: float | None = None,
-            disk_probe_bytes: int = 128 * 2**20, disk_probe_dir: str | None = None) -> dict[str, Any]:
+            disk_probe_bytes: int = 128 * 2**20, disk_probe_dir: str | None = None,
+            trials: Sequence[int] = MEASURED_TRIALS, run_samples: int = RUN_SAMPLES) -> dict[str, Any]:
     """Run the analysis of ``cfg``; returns the report (see :func:`write_report` for the files).
 
     Args:
@@ -69,6 +76,9 @@ def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, s
         disk_probe_dir: Measure the disk with a scratch file written (and removed) in this directory,
             which must lie outside the dataset (and should be on its filesystem). Default: read the
             dataset's own largest files; nothing is written anywhere near the dataset.
+        trials: Concurrent trial counts of the measured coordinated runs (Ray and Tune, one epoch
+            each); empty for none, and then the model has no trial-side cost.
+        run_samples: About how many samples each trial of those runs reads (whole epochs up to it).
 
     Raises:
         ConfigError: A trainable without a model and no ``step_ms``, a ``disk_probe_dir`` that is
@@ -76,6 +86,8 @@ def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, s
     """
     if samples < 2:
         raise ConfigError(f"analyze: --samples={samples} must be at least 2")
+    if run_samples < 2:
+        raise ConfigError(f"analyze: --run-samples={run_samples} must be at least 2 (the first batch is start-up)")
     cores = cores or os.cpu_count() or 1
     spec = cfg.data
     source = open_source(spec.dataset)
@@ -102,13 +114,24 @@ def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, s
     reads = measure.read_costs(source, paths, ids)
     prep_s = measure.prep_cost(source, preprocessor, ids, spec.seed)
     logger.info("analyze: the three runs (synthetic, cold cache, warm cache) with %d DataLoader workers", cores)
-    runs = measure.end_to_end_rates(step, source, preprocessor, paths, ids, spec.seed, size, batch_size, cores)
+    runs, dataloader_batch_s = measure.end_to_end_rates(step, source, preprocessor, paths, ids, spec.seed, size,
+                                                        batch_size, cores)
+    # The runs' simulated step: --step-ms, or the trainable's measured step time as a sleep, so that
+    # each trial computes as if on its own accelerator, as the model assumes.
+    run_step_ms = step_ms or 1000 * batch_size / runs["synthetic"]
+    measured = coordinated_runs(spec, trials=trials, batch_size=batch_size, step_ms=run_step_ms, cores=cores,
+                                storage_path=cfg.storage_path, name=os.path.join(cfg.name, "analysis"),
+                                epoch_samples=len(train_ids), run_samples=run_samples) if trials else []
+    rows = [summarize(r) for r in measured]
+    trial_batch_s = (rows[0]["trial_cpu_ms_per_batch"] or 0.0) / 1000 if rows else 0.0
+    pool_ms = rows[0]["pool_cpu_ms_per_sample"] if rows else None
     n = len(ids)
     sample_bytes = reads["bytes"] / n
     rates = Rates(
         samples=len(train_ids), sample_bytes=sample_bytes, compute_rate=runs["synthetic"], read_s=reads["warm_s"] / n,
         cold_read_s=max(0.0, reads["cold_s"] - reads["warm_s"]) / n, prep_s=prep_s, disk_bandwidth=disk_seq,
-        serve_s=3 * size * size / memory,
+        batch_size=batch_size, trial_batch_s=trial_batch_s, dataloader_batch_s=dataloader_batch_s,
+        pool_sample_s=max(0.0, (pool_ms or 0.0) / 1000 - reads["warm_s"] / n - prep_s) if pool_ms else 0.0,
     )
     epoch = len(train_ids)
     measured_epoch = {mode: epoch / rate for mode, rate in runs.items()}
@@ -121,7 +144,9 @@ def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, s
                       "page_cache_read_bytes_s": reads["bytes"] / max(reads["warm_s"], 1e-9),
                       "memory_copy_bytes_s": memory},
         "per_sample": {"encoded_bytes": sample_bytes, "read_warm_s": rates.read_s, "read_cold_s": reads["cold_s"] / n,
-                       "decode_augment_s": prep_s, "serve_copy_s": rates.serve_s},
+                       "decode_augment_s": prep_s},
+        "per_batch": {"coordinated_trial_cpu_s": trial_batch_s, "dataloader_main_cpu_s": dataloader_batch_s},
+        "pool_overhead_per_sample_s": rates.pool_sample_s,
         "rates": dataclasses.asdict(rates),
         "runs": {mode: {"measured_samples_s": runs[mode], "measured_epoch_s": measured_epoch[mode],
                         "predicted_epoch_s": predicted[f"{mode}_s"]} for mode in ("synthetic", "warm", "cold")},
@@ -135,6 +160,12 @@ def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, s
             "cores": [_row(predict(rates, cores=c, cache_fraction=1.0)) for c in CORES],
             "trials": [_row(predict(rates, trials=t, cores=cores, cache_fraction=1.0, coordinated=co))
                        for t in TRIALS for co in (False, True)],
+        },
+        "coordinated_runs": {
+            "step_ms": run_step_ms, "batch_size": batch_size, "run_samples": run_samples,
+            "epochs": run_length(len(train_ids), batch_size, run_samples)[0], "measured": rows,
+            "model_vs_measured": against_measured(rates, cores, {r["trials"]: r["samples_per_s"] for r in rows})
+            if rows else [],
         },
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
     }

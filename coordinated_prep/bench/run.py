@@ -144,10 +144,13 @@ def prepare_records(cfg: BenchConfig) -> tuple[ImageFolderSource, ParquetSource]
 
 
 def measure(cfg: BenchConfig, loader: str, trials: int, step: str, dataset: str | None = None,
-            fmt: str = "files") -> dict[str, Any]:
+            fmt: str = "files", spec: DataSpec | None = None, max_batches: int | None = None) -> dict[str, Any]:
     """One Tune run of ``trials`` concurrent trials reading with ``loader``; returns its row.
 
-    ``dataset`` replaces ``cfg.dataset`` (the Parquet copy, named ``fmt`` in the row).
+    ``dataset`` replaces ``cfg.dataset`` (the Parquet copy, named ``fmt`` in the row); ``spec``
+    replaces the whole DataSpec (``coordprep analyze`` runs an experiment's own data and pipeline);
+    ``max_batches`` caps the batches each trial reads per epoch (default: ``cfg.cnn_batches`` with
+    the CNN step, whole epochs with the simulated one).
 
     Row fields: ``samples_per_s`` (all trials together), ``prep_cpu_s`` (CPU seconds spent
     preparing: the prep actors', or the trials' DataLoader workers or DALI threads),
@@ -157,11 +160,11 @@ def measure(cfg: BenchConfig, loader: str, trials: int, step: str, dataset: str 
     """
     from ray import tune
 
-    spec = data_spec(cfg, loader, dataset)
+    spec = spec or data_spec(cfg, loader, dataset)
     workers = max(1, round(cfg.cores / trials))  # independent loaders split the cores fairly
     config = {"data": spec, "loader": loader, "step": step, "epochs": cfg.epochs, "batch_size": cfg.batch_size,
               "workers": workers, "step_ms": cfg.simulated_step_ms, "width": cfg.cnn_width,
-              "max_batches": cfg.cnn_batches if step == "cnn" else 0,
+              "max_batches": max_batches if max_batches is not None else cfg.cnn_batches if step == "cnn" else 0,
               "trial_index": tune.grid_search(list(range(trials)))}
     # Independent loaders run without the searcher: no prep pool sits beside them.
     searcher = CoordinatedSearcher(max_concurrent=trials, pool=PoolSpec(actors=cfg.cores)) if spec.coordinated else None
