@@ -84,7 +84,8 @@ def run_bench(cfg: BenchConfig, progress: Callable[[dict[str, Any]], None] | Non
                 for n in cfg.record_trials:  # against the raw files' best independent loader at the same N
                     for loader in cfg.record_loaders:
                         row = measure(cfg, loader, n, step, dataset=records.root, fmt="parquet")
-                        emit(dict(row, vs_best_independent=_ratio(row["samples_per_s"], best.get(n))))
+                        emit(dict(row, vs_best_independent=_ratio(row["samples_per_s"], best.get(n)),
+                                  vs_prep_bound=_ratio(row["unique_samples_per_s"], bound["samples_per_s"])))
     finally:
         if started:
             ray.shutdown()
