@@ -144,6 +144,17 @@ class CoordinatedSearcher(SearchAlgorithm):
         self._inner.restore_from_dir(dirpath)
 
     # -- data groups ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the registry and every node's prep pool now and wait until they are ready.
+
+        Tune's first request for a trial does this anyway; call it earlier to start the pool while
+        the driver does other work, or to time it apart. Idempotent.
+
+        Raises:
+            PrepError: A node's pool did not start (names the node and the fix).
+        """
+        self._ensure_registry()
+
     def group_reports(self) -> dict[str, dict[str, Any]]:
         """Per data group: samples prepared and served, prep seconds, peak staged bytes, and more."""
         if self._registry is None:

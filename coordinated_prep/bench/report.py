@@ -10,8 +10,8 @@ from coordinated_prep.sweep.summary import format_table
 
 COLUMNS = ("step", "loader", "format", "cache", "trials", "samples_per_s", "mb_per_s", "storage_mb",
            "vs_best_independent", "unique_samples_per_s", "vs_prep_bound", "samples_per_s_with_startup",
-           "vs_best_with_startup", "waited_s", "startup_s", "startup_max_s", "copied_fraction",
-           "trial_cpu_ms_per_batch", "prep_cpu_s", "prep_cpu_ms_per_sample_read", "prep_work_x", "peak_staging_bytes",
+           "vs_best_with_startup", "waited_s", "pool_start_s", "trials_started_s", "startup_s", "startup_max_s", "copied_fraction",
+           "trial_cpu_ms_per_batch", "loader_cpu_ms_per_batch", "prep_cpu_s", "prep_cpu_ms_per_sample_read", "prep_work_x", "peak_staging_bytes",
            "stall_fraction", "samples", "samples_read", "window_s", "workers_per_trial", "ms_per_sample")
 
 

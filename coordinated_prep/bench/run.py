@@ -171,6 +171,9 @@ def measure(cfg: BenchConfig, loader: str, trials: int, step: str, dataset: str 
     searcher = CoordinatedSearcher(max_concurrent=trials, pool=PoolSpec(actors=cfg.cores)) if spec.coordinated else None
     started = time.time()
     try:
+        if searcher:
+            searcher.start()  # the prep pool (timed apart; Tune would start it at its first trial)
+        pool_start = time.time() - started
         analysis = tune.run(tune.with_resources(bench_trial, {"cpu": 0.01}), config=config, search_alg=searcher,
                             max_concurrent_trials=None if searcher else trials,
                             verbose=0, raise_on_failed_trial=True, storage_path=os.path.abspath(
@@ -206,10 +209,12 @@ def measure(cfg: BenchConfig, loader: str, trials: int, step: str, dataset: str 
         "stall_fraction": statistics.mean(r["stall_fraction"] for r in results),
         "startup_s": statistics.mean(r["startup_s"] for r in results),
         "startup_max_s": max(r["startup_s"] for r in results),
-        "samples_per_s_with_startup": read / waited, "waited_s": waited,
+        "samples_per_s_with_startup": read / waited, "waited_s": waited, "pool_start_s": pool_start,
+        "trials_started_s": max(r["t_created"] for r in results) - started,  # the last trial's loader created
         "unique_samples_per_s": samples / window * prepared / read,  # samples prepared per second
         "trial_cpu_ms_per_batch": _mean(r.get("trial_cpu_ms_per_batch") for r in results),
         "copied_fraction": _mean(r.get("copied_fraction") for r in results),
+        "loader_cpu_ms_per_batch": _mean(r.get("loader_cpu_ms_per_batch") for r in results),
         "workers_per_trial": workers if loader in INDEPENDENT else 0,
     }
 
