@@ -61,7 +61,7 @@ def gpu_fraction(peak_bytes: int, gpu_bytes: int, margin: float = DEFAULT_MARGIN
         raise ConfigError(f"gpu_fraction(peak_bytes={peak_bytes}, gpu_bytes={gpu_bytes}, margin={margin}, "
                           f"context_bytes={context_bytes}): bytes must be positive and margin >= 0")
     need = need_bytes(peak_bytes, margin, context_bytes)
-    per_gpu = gpu_bytes // need
+    per_gpu = min(gpu_bytes // need, RESOLUTION)  # Ray's smallest share is 1/RESOLUTION of a GPU
     if per_gpu < 1:
         raise ConfigError(f"{what} needs {need / 2**30:.2f} GiB ({peak_bytes} bytes measured + {margin:.0%} margin "
                           f"+ {context_bytes} bytes of CUDA context) "
@@ -92,7 +92,7 @@ def pack(peaks: Mapping[str, int], gpu_bytes: int, margin: float = DEFAULT_MARGI
     fraction = gpu_fraction(peaks[worst], gpu_bytes, margin, worst, context_bytes)
     need = need_bytes(peaks[worst], margin, context_bytes)
     memory_fraction = math.floor(RESOLUTION * (fraction * gpu_bytes - context_bytes) / gpu_bytes) / RESOLUTION
-    return Packing(fraction, memory_fraction, gpu_bytes // need, need, gpu_bytes, worst)
+    return Packing(fraction, memory_fraction, min(gpu_bytes // need, RESOLUTION), need, gpu_bytes, worst)
 
 
 def cap_gpu_memory(fraction: float | None) -> bool:
