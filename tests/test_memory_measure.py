@@ -54,7 +54,7 @@ def test_tensor_bytes_counts_each_storage_once():
 def _row(memory, act, step):
     return {"config": f"m b2 8px {memory}", "trainable": "m", "width": None, "batch_size": 2, "size": 8,
             "memory": memory, "activation_bytes": act, "param_bytes": 2**20, "grad_bytes": 2**20,
-            "optimizer_bytes": 2**20, "peak_bytes": 3 * 2**20 + act, "peak_kind": "cpu_estimate",
+            "optimizer_bytes": 2**20, "peak_bytes": 3 * 2**20 + act, "peak_kind": "cpu_estimate", "step_min_s": step,
             "step_s": step, "step_times": [step]}
 
 

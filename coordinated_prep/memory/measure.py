@@ -35,6 +35,7 @@ class StepMemory:
         peak_kind: ``cuda_max_allocated`` (measured) or ``cpu_estimate`` (params + grads + optimizer
             + activations).
         step_s: Median seconds of the timed steps.
+        step_min_s: The fastest timed step (the least disturbed by other processes).
         step_times: Each timed step's seconds.
     """
 
@@ -45,6 +46,7 @@ class StepMemory:
     peak_bytes: int
     peak_kind: Literal["cuda_max_allocated", "cpu_estimate"]
     step_s: float
+    step_min_s: float
     step_times: tuple[float, ...]
 
 
@@ -104,29 +106,60 @@ def measure_step(model: nn.Module, optimizer: torch.optim.Optimizer, images: tor
     """
     if steps < 1 or warmup < 0:
         raise ValueError(f"measure_step: steps={steps} must be >= 1 and warmup={warmup} >= 0")
-    cuda = images.is_cuda
-    params = list(model.parameters())
-    for _ in range(warmup):
-        _step(model, optimizer, images, labels, None)
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    meter = SavedBytes(exclude=params)
-    times = []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        _step(model, optimizer, images, labels, meter if i == 0 else None)
-        if cuda:
+    bench = StepBench(model, optimizer, images, labels)
+    bench.warm_up(warmup)
+    for _ in range(steps):
+        bench.timed_step()
+    return bench.result()
+
+
+class StepBench:
+    """One configuration's training step, stepped by the caller: ``coordprep memory`` interleaves the
+    configurations on a CPU (one step of each per round), so that load from other processes falls
+    on all of them alike."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor,
+                 labels: torch.Tensor) -> None:
+        self._model, self._optimizer, self._images, self._labels = model, optimizer, images, labels
+        self._params = list(model.parameters())
+        self._meter = SavedBytes(exclude=self._params)
+        self._cuda = images.is_cuda
+        self.times: list[float] = []
+
+    def warm_up(self, steps: int) -> None:
+        """Untimed steps (the budget mode profiles its plan in the first)."""
+        for _ in range(steps):
+            _step(self._model, self._optimizer, self._images, self._labels, None)
+        if self._cuda:
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    sizes = {"param_bytes": tensor_bytes(params), "grad_bytes": tensor_bytes(p.grad for p in params),
-             "optimizer_bytes": optimizer_bytes(optimizer)}
-    if cuda:
-        peak, kind = torch.cuda.max_memory_allocated(), "cuda_max_allocated"
-    else:
-        peak, kind = sum(sizes.values()) + meter.nbytes, "cpu_estimate"
-    return StepMemory(meter.nbytes, peak_bytes=peak, peak_kind=kind, step_s=statistics.median(times),
-                      step_times=tuple(times), **sizes)
+
+    def timed_step(self) -> float:
+        """One timed step; the first also counts the saved activations (and, on CUDA, the peak)."""
+        first = not self.times
+        if first and self._cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        _step(self._model, self._optimizer, self._images, self._labels, self._meter if first else None)
+        if self._cuda:
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter() - t0)
+        if first and self._cuda:
+            self._cuda_peak = torch.cuda.max_memory_allocated()
+        return self.times[-1]
+
+    def result(self) -> StepMemory:
+        """The measurement, after at least one timed step."""
+        if not self.times:
+            raise ValueError("StepBench.result: no timed step yet")
+        params = self._params
+        sizes = {"param_bytes": tensor_bytes(params), "grad_bytes": tensor_bytes(p.grad for p in params),
+                 "optimizer_bytes": optimizer_bytes(self._optimizer)}
+        if self._cuda:
+            peak, kind = self._cuda_peak, "cuda_max_allocated"
+        else:
+            peak, kind = sum(sizes.values()) + self._meter.nbytes, "cpu_estimate"
+        return StepMemory(self._meter.nbytes, peak_bytes=peak, peak_kind=kind, step_s=statistics.median(self.times),
+                          step_min_s=min(self.times), step_times=tuple(self.times), **sizes)
 
 
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor,

@@ -38,12 +38,13 @@ def format_report(report: Mapping[str, Any]) -> str:
     peak = "peak MiB (estimate)" if estimate else "peak MiB"
     table = format_table(
         ["config", "activations MiB", "less than none", "params MiB", "grads MiB", "optimizer MiB", peak,
-         "step s", "vs none"],
+         "step s", "vs none", "min step s"],
         [[r["config"], f"{r['activation_bytes'] / MiB:.2f}", _x(r["activation_ratio"]), f"{r['param_bytes'] / MiB:.1f}",
           f"{r['grad_bytes'] / MiB:.1f}", f"{r['optimizer_bytes'] / MiB:.1f}", f"{r['peak_bytes'] / MiB:.2f}",
-          f"{r['step_s']:.3f}", _pct(r["time_ratio"])] for r in rows])
+          f"{r['step_s']:.3f}", _pct(r["time_ratio"]), f"{r['step_min_s']:.3f}"] for r in rows])
     lines = [f"Memory of {report['experiment']} on {report['device']} ({report['threads']} threads, torch "
-             f"{report['torch']}; step time: median of {report['steps']} steps after {report['warmup']} warm-up)",
+             f"{report['torch']}; step time: median and fastest of {report['steps']} steps after {report['warmup']} warm-up; "
+             "on a CPU the configurations take turns, one step each per round)",
              "", table]
     if estimate:
         lines += ["", "Peak (estimate, no GPU): parameters + gradients + optimizer state + activations saved at the "

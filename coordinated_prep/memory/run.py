@@ -6,13 +6,13 @@ import logging
 import os
 import platform
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.memory.configs import MemoryConfig, memory_configs
-from coordinated_prep.memory.measure import StepMemory, measure_step
+from coordinated_prep.memory.measure import StepBench, StepMemory
 from coordinated_prep.memory.modes import apply_memory
 from coordinated_prep.sweep.config import SweepConfig
 
@@ -29,10 +29,9 @@ def sweep_configs(cfg: SweepConfig) -> list[MemoryConfig]:
     return memory_configs(cfg.trainable, dict(cfg.search_space), cfg.data.pipeline.size)  # type: ignore[union-attr]
 
 
-def measure_config(config: MemoryConfig, num_classes: int, device: torch.device, steps: int = 3,
-                   warmup: int = 1, seed: int = 0) -> StepMemory:
-    """Build the trainable's model in ``config``'s memory mode and measure its training step on a
-    random batch (normalised values, as the trainables feed their models)."""
+def prepare(config: MemoryConfig, num_classes: int, device: torch.device, seed: int = 0) -> StepBench:
+    """The trainable's model in ``config``'s memory mode, its optimizer and a random batch (normalised
+    values, as the trainables feed their models), ready to step."""
     from trainables import MODELS
     from trainables.common import make_optimizer
 
@@ -42,17 +41,30 @@ def measure_config(config: MemoryConfig, num_classes: int, device: torch.device,
     model.train()
     images = torch.randn(config.batch_size, 3, config.size, config.size, device=device)
     labels = torch.randint(0, num_classes, (config.batch_size,), device=device)
+    return StepBench(model, make_optimizer(model, trial), images, labels)
+
+
+def measure_config(config: MemoryConfig, num_classes: int, device: torch.device, steps: int = 3,
+                   warmup: int = 1) -> StepMemory:
+    """Measure one configuration alone (on CUDA, its peak is its own)."""
+    bench = prepare(config, num_classes, device)
     try:
-        return measure_step(model, make_optimizer(model, trial), images, labels, steps=steps, warmup=warmup)
+        bench.warm_up(warmup)
+        for _ in range(steps):
+            bench.timed_step()
+        return bench.result()
     finally:
-        del model, images
+        del bench
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
 
-def run_memory(cfg: SweepConfig, steps: int = 3, warmup: int = 1, threads: int | None = None,
-               progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Measure every configuration of ``cfg``; returns the report :mod:`~coordinated_prep.memory.report` renders."""
+def run_memory(cfg: SweepConfig, steps: int = 3, warmup: int = 1, threads: int | None = None) -> dict[str, Any]:
+    """Measure every configuration of ``cfg``; returns the report :mod:`~coordinated_prep.memory.report` renders.
+
+    On a CPU the configurations are stepped in rounds (one step of each per round), so that load from
+    other processes falls on all of them alike; on CUDA one after the other, so each peak is its own.
+    """
     from coordinated_prep.sources import open_source
 
     if steps < 1 or warmup < 0:
@@ -63,15 +75,21 @@ def run_memory(cfg: SweepConfig, steps: int = 3, warmup: int = 1, threads: int |
         torch.set_num_threads(threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     num_classes = len(open_source(cfg.data.dataset).classes)
-    rows = []
-    for config in sweep_configs(cfg):
-        logger.info("measuring %s (%d warm-up + %d timed steps on %s)", config.label, warmup, steps, device)
-        m = measure_config(config, num_classes, device, steps, warmup)
-        row = {"config": config.label, "trainable": config.trainable, "batch_size": config.batch_size,
-               "size": config.size, "width": config.width, "memory": config.memory.label, **asdict(m)}
-        rows.append(row)
-        if progress is not None:
-            progress(row)
+    configs = sweep_configs(cfg)
+    logger.info("measuring %d configurations (%d warm-up + %d timed steps each, on %s)", len(configs), warmup,
+                steps, device)
+    if device.type == "cuda":
+        results = [measure_config(c, num_classes, device, steps, warmup) for c in configs]
+    else:
+        benches = [prepare(c, num_classes, device) for c in configs]
+        for bench in benches:
+            bench.warm_up(warmup)
+        for _ in range(steps):
+            for bench in benches:
+                bench.timed_step()
+        results = [b.result() for b in benches]
+    rows = [{"config": c.label, "trainable": c.trainable, "batch_size": c.batch_size, "size": c.size,
+             "width": c.width, "memory": c.memory.label, **asdict(m)} for c, m in zip(configs, results)]
     return {"experiment": cfg.path, "device": _device_name(device), "threads": torch.get_num_threads(),
             "steps": steps, "warmup": warmup, "torch": torch.__version__, "rows": rows}
 
