@@ -81,7 +81,7 @@ def choose(records: Sequence[OpRecord], mandatory_bytes: int, budget_bytes: int)
 def plan_budget(stages: Sequence[Stage], x: torch.Tensor, fraction: float) -> BudgetPlan:
     """Profile one forward of ``stages`` on ``x`` and keep at most ``fraction`` of its activation bytes.
 
-    The profile leaves batch-norm statistics as they were, and holds one stage's activations at a time.
+    The profile leaves batch-norm statistics as they were, and holds one stage's outputs at a time.
     """
     from coordinated_prep.memory.modes import batch_norms, kept_batch_norm_stats
 
@@ -151,6 +151,9 @@ class _Recorder(TorchDispatchMode):
         self._counts: dict[Any, int] = defaultdict(int)
         self._rows: list[tuple[Any, int, int, float, bool, set[int]]] = []
         self._written: set[int] = set()
+        # Every output stays alive until finish(): a freed output's address could be reused by a tensor
+        # written in place later, which would make the output look written (and the plan vary by run).
+        self._alive: list[Any] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -166,6 +169,7 @@ class _Recorder(TorchDispatchMode):
             if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
                 self._written.add(_ptr(value))
         tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self._alive.append(tensors)
         ptrs = {_ptr(t) for t in tensors}
         fresh = not schema.is_mutable and not any(r.alias_info is not None for r in schema.returns)
         nbytes = sum({_ptr(t): _storage_bytes(t) for t in tensors}.values())
@@ -174,6 +178,7 @@ class _Recorder(TorchDispatchMode):
 
     def finish(self, output_ptr: int) -> list[OpRecord]:
         """The stage's records; an output written later in the stage, or the stage's output, is not saveable."""
+        self._alive.clear()
         return [OpRecord(self._stage, f, i, n, c, ok and not (p & self._written) and output_ptr not in p)
                 for f, i, n, c, ok, p in self._rows]
 
