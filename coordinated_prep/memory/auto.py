@@ -57,7 +57,7 @@ def plan_gpu(cfg: SweepConfig, gpu: int | None,
 
 
 def measure_peaks(cfg: SweepConfig) -> dict[str, int]:
-    """Each configuration's measured CUDA peak, from one warm-up and one measured step in a child process."""
+    """Each configuration's measured CUDA peak over its first training step, in a child process."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -76,4 +76,6 @@ def _peaks(configs: list[MemoryConfig], num_classes: int) -> dict[str, int]:
     from coordinated_prep.memory.run import measure_config
 
     device = torch.device("cuda")
-    return {c.label: measure_config(c, num_classes, device, steps=1, warmup=1).peak_bytes for c in configs}
+    # No warm-up: the measured step is a trial's first, which holds the most (the budget mode profiles
+    # its plan then, and the allocator and cuDNN set up their workspaces).
+    return {c.label: measure_config(c, num_classes, device, steps=1, warmup=0).peak_bytes for c in configs}
