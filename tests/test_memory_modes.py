@@ -149,3 +149,24 @@ def test_a_model_of_unknown_stages_is_a_config_error():
         apply_memory(Custom(), "checkpoint")
     model = Custom()
     assert apply_memory(model, "none") is model and memory_forward(model) is None
+
+
+@pytest.mark.filterwarnings("ignore:memory budget")
+def test_the_trainable_trains_alike_in_each_mode():
+    """``fit`` reads ``memory`` from the trial config: one epoch on builtin:shapes gives the same losses."""
+    from coordinated_prep import DataSpec
+    from tests.test_trainables import MemorySession
+
+    def run(memory):
+        session = MemorySession()
+        config = {"data": DataSpec(coordinated=False, pipeline={"size": 16}), "lr": 0.05, "batch_size": 64,
+                  "epochs": 1, "width": 4, "memory": memory}
+        small_cnn.fit(config, small_cnn.build, session)
+        return session.reports[0], session.states[0]["model"]
+
+    (base, weights), (checkpointed, weights_c) = run("none"), run({"budget": 0.5})
+    assert checkpointed["train_loss"] == pytest.approx(base["train_loss"], rel=1e-5)
+    assert checkpointed["loss"] == pytest.approx(base["loss"], rel=1e-4)
+    assert torch.equal(weights["1.num_batches_tracked"], weights_c["1.num_batches_tracked"])
+    with pytest.raises(ConfigError, match="memory='lots'"):
+        run("lots")
