@@ -60,11 +60,12 @@ def test_the_configurations_to_measure():
     assert values(Dimension("uniform", (1.0, 3.0))) == [2.0] and values(Dimension("loguniform", (1, 100))) == [10.0]
 
 
-def test_the_example_experiment_measures_four_modes():
+def test_the_example_experiment_measures_five_modes():
     from coordinated_prep.memory.run import sweep_configs
 
     cfg = load_sweep("experiments/memory.yaml")
-    assert [c.memory.label for c in sweep_configs(cfg)] == ["none", "checkpoint", "budget=0.5", "budget=0.3"]
+    assert [c.memory.label for c in sweep_configs(cfg)] == ["none", "checkpoint", "budget=0.5", "budget=0.4",
+                                                                        "budget=0.3"]
     assert cfg.gpu_auto is not None and cfg.data.pipeline.size == 224
 
 

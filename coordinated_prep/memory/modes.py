@@ -82,20 +82,21 @@ class _StageRun:
 
 
 def _saving(saves: frozenset[tuple[Any, int]]) -> Any:
-    """A selective-checkpoint ``context_fn``: save the ``(op, n-th call)`` outputs of ``saves``."""
+    """A selective-checkpoint ``context_fn``: save the ``(op, n-th call of it in the stage)`` outputs of
+    ``saves``, recompute the rest. Calls are counted as selective checkpointing counts them, per op."""
+    counts: dict[bool, dict[Any, int]] = {False: {}, True: {}}  # forward and recomputation count apart
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        counts = ctx_counts[ctx.is_recompute]
-        index = counts.get(op, 0)
-        counts[op] = index + 1
+        seen = counts[ctx.is_recompute]
+        index = seen.get(op, 0)
+        seen[op] = index + 1
         return CheckpointPolicy.MUST_SAVE if (op, index) in saves else CheckpointPolicy.PREFER_RECOMPUTE
 
     def make() -> Any:
-        ctx_counts.clear()
-        ctx_counts.update({False: {}, True: {}})
+        for seen in counts.values():
+            seen.clear()
         return create_selective_checkpoint_contexts(policy)
 
-    ctx_counts: dict[bool, dict[Any, int]] = {}
     return make
 
 
