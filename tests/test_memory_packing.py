@@ -101,3 +101,16 @@ def test_the_dry_run_says_what_gpu_auto_will_do(tmp_path, capsys):
     import torch
 
     assert ("no GPU" in out and "run on the CPU" in out) if not torch.cuda.is_available() else "measured" in out
+
+
+def test_the_runner_gives_trials_the_packed_share_and_the_cap(tmp_path, monkeypatch):
+    """With a GPU (faked: its size and the measured peaks), Tune's request and each trial's cap follow the packing."""
+    from coordinated_prep.memory import auto
+    from coordinated_prep.sweep.runner import trial_resources
+
+    monkeypatch.setattr(auto, "gpu_bytes", lambda: 40 * GiB)
+    monkeypatch.setattr(auto, "measure_peaks", lambda cfg: {"small_cnn b8 16px none": 6 * GiB})
+    resources, space = trial_resources(load_sweep(_sweep(tmp_path, "{cpu: 1, gpu: auto, gpu_margin: 0.25}")))
+    assert resources == {"cpu": 1.0, "gpu": 0.2}  # 5 trials of 8 GiB on a 40 GiB GPU
+    assert space["gpu_memory_fraction"] == pytest.approx(0.1875)  # (8 GiB - 0.5 GiB of context) / 40 GiB
+    assert "data" in space and "memory" in space
