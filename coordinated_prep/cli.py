@@ -1,4 +1,4 @@
-"""The ``coordprep`` command: ``coordprep sweep|analyze|bench <experiment.yaml>``, ``convert`` and ``clean``."""
+"""The ``coordprep`` command: ``coordprep sweep|analyze|memory|bench <experiment.yaml>``, ``convert`` and ``clean``."""
 
 from __future__ import annotations
 
@@ -43,6 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     analyze.add_argument("--no-coordinated-runs", action="store_true",
                          help="skip the measured coordinated runs (Ray and Tune; tens of seconds): quicker, but "
                               "the model then has no trial-side cost")
+    memory = sub.add_parser("memory", help="measure one training step per (model, batch size, crop, memory mode) of "
+                                           "the sweep: activation, parameter, gradient, optimizer and peak memory, "
+                                           "and step time")
+    memory.add_argument("experiment", help="path of the sweep's YAML file, e.g. experiments/memory.yaml")
+    memory.add_argument("--out", help="directory for memory.json and memory.png (default: <storage_path>/<name>/memory)")
+    memory.add_argument("--steps", type=int, default=3, help="timed steps per configuration (default 3)")
+    memory.add_argument("--warmup", type=int, default=1, help="untimed steps before them (default 1)")
+    memory.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, usually the cores)")
     bench = sub.add_parser("bench", help="benchmark coordinated prep against a DataLoader and DALI per trial, "
                                          "and raw image files against Parquet record files")
     bench.add_argument("experiment", nargs="?", default="experiments/bench.yaml",
@@ -61,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "directory) that killed or crashed sweeps left on this machine")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    commands = {"sweep": _sweep, "analyze": _analyze, "bench": _bench, "convert": _convert, "clean": _clean}
+    commands = {"sweep": _sweep, "analyze": _analyze, "memory": _memory, "bench": _bench, "convert": _convert,
+                "clean": _clean}
     try:
         return commands[args.command](args)
     except CoordinatedPrepError as e:
@@ -75,6 +84,8 @@ def _sweep(args: argparse.Namespace) -> int:
     cfg = load_sweep(args.experiment)  # every configuration error surfaces here, before Ray starts
     if args.dry_run:
         sys.stdout.write(f"{args.experiment}: valid ({cfg.num_samples} samples of {cfg.trainable})\n")
+        if cfg.gpu_auto is not None:
+            sys.stdout.write(_gpu_auto_note() + "\n")
         return 0
     from coordinated_prep.sweep.runner import run_sweep
     from coordinated_prep.sweep.summary import format_summary
@@ -102,6 +113,31 @@ def _analyze(args: argparse.Namespace) -> int:
     report = analyze(cfg, samples=args.samples, cores=args.cores, step_ms=args.step_ms,
                      disk_probe_dir=args.disk_probe_dir, trials=trials, run_samples=args.run_samples)
     out = args.out or os.path.join(cfg.storage_path, cfg.name, "analysis")
+    paths = write_report(report, out)
+    sys.stdout.write(format_report(report) + f"\n\nWritten: {paths['json']} and {paths['png']}\n")
+    return 0
+
+
+def _gpu_auto_note() -> str:
+    from coordinated_prep.memory.auto import NO_GPU, gpu_bytes
+
+    gpu = gpu_bytes()
+    if gpu is None:
+        return f"note: {NO_GPU}"
+    return (f"gpu: auto: each configuration's peak is measured on this GPU ({gpu / 2**30:.1f} GiB) when the sweep "
+            "starts; coordprep memory shows the peaks now")
+
+
+def _memory(args: argparse.Namespace) -> int:
+    import os
+
+    from coordinated_prep.memory.report import format_report, write_report
+    from coordinated_prep.memory.run import run_memory
+    from coordinated_prep.sweep.config import load_sweep
+
+    cfg = load_sweep(args.experiment)
+    report = run_memory(cfg, steps=args.steps, warmup=args.warmup, threads=args.threads)
+    out = args.out or os.path.join(cfg.storage_path, cfg.name, "memory")
     paths = write_report(report, out)
     sys.stdout.write(format_report(report) + f"\n\nWritten: {paths['json']} and {paths['png']}\n")
     return 0

@@ -13,6 +13,8 @@ from torch import nn
 
 from coordinated_prep import eval_loader, train_loader
 from coordinated_prep.errors import ConfigError
+from coordinated_prep.memory.modes import apply_memory
+from coordinated_prep.memory.packing import cap_gpu_memory
 from coordinated_prep.sources import open_source
 from coordinated_prep.loader import resolve_spec
 
@@ -68,7 +70,9 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
     """Train ``build(num_classes, config)`` for ``config["epochs"]`` epochs and report each epoch.
 
     Config keys: ``data`` (a DataSpec), ``lr``, ``batch_size``, ``epochs``; optional ``momentum``
-    (0.9), ``weight_decay`` (5e-4), ``torch_threads`` (1), ``eval_batch_size`` (256), ``model_seed`` (0).
+    (0.9), ``weight_decay`` (5e-4), ``torch_threads`` (1), ``eval_batch_size`` (256), ``model_seed`` (0),
+    ``memory`` (``none``, ``checkpoint`` or ``{budget: f}``: see :mod:`coordinated_prep.memory.modes`) and
+    ``gpu_memory_fraction`` (the CUDA allocator cap that ``gpu: auto`` sets).
     Reports ``epoch``, ``loss`` and ``accuracy`` on the held-out split, ``train_loss``,
     ``data_wait_s``, ``compute_s``, ``stall_fraction`` (share of the epoch spent waiting for data) and
     ``private_samples`` (samples the trial prepared itself so far), with a checkpoint of the model,
@@ -89,7 +93,8 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
     torch.manual_seed(int(config.get("model_seed", 0)))  # reproducible initialisation per trial
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     spec = resolve_spec(config)
-    model = build(len(open_source(spec.dataset).classes), config).to(device)
+    cap_gpu_memory(config.get("gpu_memory_fraction"))  # gpu: auto's share: an overrun fails here, not next door
+    model = apply_memory(build(len(open_source(spec.dataset).classes), config).to(device), config.get("memory"))
     optimizer = make_optimizer(model, config)
     epochs = int(config["epochs"])
     state = session.restore()

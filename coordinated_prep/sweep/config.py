@@ -14,11 +14,13 @@ Schema (every key but ``trainable`` and ``search_space`` is optional)::
       lr: {loguniform: [0.01, 0.3]}
       batch_size: {choice: [32, 64]}
       width: {grid: [8, 16]}
+      memory: {choice: [none, checkpoint, {budget: 0.3}]}   # or a constant: none, checkpoint, {budget: 0.3}
       epochs: 3
     num_samples: 8
     max_concurrent_trials: 4         # 0 = as many as resources allow
     max_failures: 0                  # retries per trial (Tune's FailureConfig); a retry resumes from its checkpoint
-    resources_per_trial: {cpu: 0.25, gpu: 0}
+    resources_per_trial: {cpu: 0.25, gpu: 0}   # or gpu: auto (and gpu_margin: 0.1): each trial gets the GPU
+                                               # share its measured peak needs (coordinated_prep.memory.packing)
     metric: accuracy
     mode: max
     scheduler: {type: asha, grace_period: 1, reduction_factor: 2}   # default {type: fifo}; the types and keys:
@@ -50,6 +52,8 @@ from typing import Any, Callable, Literal, Mapping
 
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import ConfigError
+from coordinated_prep.memory.packing import GpuAuto
+from coordinated_prep.memory.spec import parse_memory
 from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.sweep.algorithms import (FifoSpec, PB2Spec, PBTSpec, SchedulerSpec, SearchSpec, parse_scheduler,
@@ -83,6 +87,7 @@ class SweepConfig:
     max_concurrent_trials: int = 0
     max_failures: int = 0
     resources_per_trial: Mapping[str, float] = field(default_factory=lambda: {"cpu": 1.0})
+    gpu_auto: GpuAuto | None = None  # resources_per_trial.gpu: auto (the runner measures and packs)
     metric: str = "accuracy"
     mode: Literal["min", "max"] = "max"
     scheduler: SchedulerSpec = field(default_factory=FifoSpec)
@@ -165,7 +170,7 @@ def _parse(path: str, raw: Any) -> SweepConfig:
             raise ConfigError(f"mode={raw['mode']!r} must be 'min' or 'max'")
         kwargs["mode"] = raw["mode"]
     if "resources_per_trial" in raw:
-        kwargs["resources_per_trial"] = _resources(raw["resources_per_trial"])
+        kwargs["resources_per_trial"], kwargs["gpu_auto"] = _resources(raw["resources_per_trial"])
     if "ray" in raw:
         check_keys(raw["ray"], RAY_KEYS, "ray")
         kwargs["ray"] = dict(raw["ray"])
@@ -215,6 +220,8 @@ def _check_trainable_keys(space: Mapping[str, Any], trainable: str, scheduler: S
                 raise ConfigError(f"search_space.{key} is required by trainable {trainable!r}")
             continue
         _check_trainable_values(f"search_space.{key}", key, space[key], trainable)
+    if "memory" in space:
+        _check_memory("search_space.memory", space["memory"])
     moves: Mapping[str, Any] = {}
     if isinstance(scheduler, PBTSpec):
         moves = {f"hyperparam_mutations.{k}": (k, v) for k, v in scheduler.hyperparam_mutations.items()}
@@ -224,6 +231,17 @@ def _check_trainable_keys(space: Mapping[str, Any], trainable: str, scheduler: S
     for where, (key, value) in moves.items():
         if key in TRAINABLE_KEYS:
             _check_trainable_values(f"scheduler.{where}", key, value, trainable)
+        elif key == "memory":
+            _check_memory(f"scheduler.{where}", value)
+
+
+def _check_memory(where: str, value: Any) -> None:
+    """``memory`` is a constant or a choice or grid of memory modes (none, checkpoint, {budget: f})."""
+    if isinstance(value, Dimension) and value.kind not in ("choice", "grid"):
+        raise ConfigError(f"{where}: a {value.kind} distribution cannot pick memory modes; "
+                          "use a constant or {choice: [none, checkpoint, {budget: 0.3}]}")
+    for i, v in enumerate(value.args if isinstance(value, Dimension) else [value]):
+        parse_memory(v, f"{where}.{value.kind}[{i}]" if isinstance(value, Dimension) else where)
 
 
 def _check_trainable_values(where: str, key: str, value: Any, trainable: str) -> None:
@@ -237,14 +255,22 @@ def _check_trainable_values(where: str, key: str, value: Any, trainable: str) ->
             raise ConfigError(f"{where}: {v!r} must be {kind} {bound} (trainable {trainable!r})")
 
 
-def _resources(value: Any) -> dict[str, float]:
+def _resources(value: Any) -> tuple[dict[str, float], GpuAuto | None]:
     if not isinstance(value, Mapping):
         raise ConfigError(f"resources_per_trial={value!r} must be a mapping like {{cpu: 1, gpu: 0}}")
-    check_keys(value, ("cpu", "gpu"), "resources_per_trial")
+    check_keys(value, ("cpu", "gpu", "gpu_margin"), "resources_per_trial")
+    value = dict(value)
+    auto = None
+    if value.get("gpu") == "auto":
+        auto = GpuAuto(value.pop("gpu_margin", 0.1))
+        del value["gpu"]
+    elif "gpu_margin" in value:
+        raise ConfigError("resources_per_trial.gpu_margin applies to gpu: auto only; set gpu: auto or remove it")
     for k, v in value.items():
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
-            raise ConfigError(f"resources_per_trial.{k}={v!r} must be a number >= 0")
-    return {k: float(v) for k, v in value.items()}
+            allowed = " or 'auto'" if k == "gpu" else ""
+            raise ConfigError(f"resources_per_trial.{k}={v!r} must be a number >= 0{allowed}")
+    return {k: float(v) for k, v in value.items()}, auto
 
 
 def _typed(raw: Mapping[str, Any], key: str, typ: type, what: str) -> Any:

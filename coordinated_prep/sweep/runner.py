@@ -47,15 +47,15 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1, resume: bool = False,
         start_ray(cfg.ray)
     # An unshared sweep (data.coordinated: false) has nothing to coordinate: no CoordinatedSearcher, no prep pool.
     search_alg, searcher = _search_algorithm(cfg)
-    resources = {k: v for k, v in cfg.resources_per_trial.items() if v}
+    resources, param_space = trial_resources(cfg)
     trainable = tune.with_resources(cfg.trainable_fn(), resources)
     if resume:  # Tune restores its own copy of the searcher, which finds or starts this job's registry
-        tuner = tune.Tuner.restore(path, trainable=trainable, param_space=cfg.param_space(),
+        tuner = tune.Tuner.restore(path, trainable=trainable, param_space=param_space,
                                    resume_unfinished=True, resume_errored=True)
     else:
         tuner = tune.Tuner(
             trainable,
-            param_space=cfg.param_space(),
+            param_space=param_space,
             # The sweep's metric and mode are set here only: Tune hands them to the searcher and the scheduler.
             tune_config=tune.TuneConfig(search_alg=search_alg, scheduler=_scheduler(cfg), num_samples=cfg.num_samples,
                                         metric=cfg.metric, mode=cfg.mode),
@@ -93,6 +93,21 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1, resume: bool = False,
         summary["resumed"] = True
     summary["path"] = write_summary(summary, path)
     return summary
+
+
+def trial_resources(cfg: SweepConfig) -> tuple[dict[str, float], dict[str, Any]]:
+    """Each trial's resources and the Tune param space; with ``gpu: auto``, the GPU share its measured
+    peak needs, and ``gpu_memory_fraction`` in every trial's config for the trial to cap itself to."""
+    resources = {k: v for k, v in cfg.resources_per_trial.items() if v}
+    param_space = cfg.param_space()
+    if cfg.gpu_auto is not None:
+        from coordinated_prep.memory.auto import gpu_bytes, plan_gpu
+
+        packing = plan_gpu(cfg, gpu_bytes())
+        if packing is not None:
+            resources["gpu"] = packing.fraction
+            param_space["gpu_memory_fraction"] = packing.memory_fraction
+    return resources, param_space
 
 
 def init_kwargs(ray_options: Mapping[str, Any]) -> dict[str, Any]:

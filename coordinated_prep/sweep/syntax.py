@@ -8,6 +8,8 @@ from typing import Any, Literal, Mapping
 from coordinated_prep.errors import ConfigError
 
 DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint")
+#: Single keys that make a mapping a constant, not a distribution: ``memory: {budget: 0.3}``.
+CONSTANT_MAPPINGS = ("budget",)
 
 
 @dataclass(frozen=True)
@@ -29,13 +31,20 @@ class Dimension:
 
 
 def parse_dimension(where: str, value: Any) -> Any:
-    """A constant as it is, or ``{distribution: arguments}`` as a :class:`Dimension`; errors name ``where``."""
+    """A constant as it is, or ``{distribution: arguments}`` as a :class:`Dimension`; errors name ``where``.
+
+    A mapping whose one key is in :data:`CONSTANT_MAPPINGS` is a constant (``{budget: 0.3}``): no
+    distribution has that name, and any other unknown key is still an error (a misspelt ``choice``).
+    """
+    if isinstance(value, Mapping) and len(value) == 1 and next(iter(value)) in CONSTANT_MAPPINGS:
+        return dict(value)
     if not isinstance(value, Mapping):
         if isinstance(value, (int, float, str, bool, list)) or value is None:
             return value  # a constant
         raise ConfigError(f"{where}={value!r} must be a constant or a mapping {{distribution: arguments}}")
     if len(value) != 1 or next(iter(value)) not in DISTRIBUTIONS:
-        raise ConfigError(f"{where}: {dict(value)!r} must have exactly one key out of {list(DISTRIBUTIONS)}")
+        raise ConfigError(f"{where}: {dict(value)!r} must have exactly one key out of {list(DISTRIBUTIONS)} "
+                          f"(a distribution), or be a constant {{budget: f}}")
     kind, args = next(iter(value.items()))
     if not isinstance(args, list) or not args:
         raise ConfigError(f"{where}.{kind} must be a non-empty list")
