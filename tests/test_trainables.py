@@ -49,6 +49,8 @@ def test_small_cnn_learns_builtin_shapes_well_above_chance():
     assert [r["epoch"] for r in reports] == [1, 2, 3]
     assert reports[-1]["accuracy"] > 0.3, reports  # chance is 0.1 for ten classes
     assert all(0 <= r["stall_fraction"] <= 1 for r in reports)
+    # 2,700 training samples: pieces of 256, so every batch of 32 is a view of one, none a copy.
+    assert all(r["copied_fraction"] == 0.0 and r["loader_cpu_ms_per_batch"] > 0 for r in reports)
 
 
 def test_a_resumed_trial_goes_on_from_its_checkpointed_epoch_and_schedule():

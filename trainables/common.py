@@ -75,8 +75,10 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
     ``gpu_memory_fraction`` (the CUDA allocator cap that ``gpu: auto`` sets).
     Reports ``epoch``, ``loss`` and ``accuracy`` on the held-out split, ``train_loss``,
     ``data_wait_s``, ``compute_s``, ``stall_fraction`` (share of the epoch spent waiting for data) and
-    ``private_samples`` (samples the trial prepared itself so far), with a checkpoint of the model,
-    optimizer, learning-rate schedule and epoch.
+    ``private_samples`` (samples the trial prepared itself so far), ``copied_fraction`` (share of its
+    batches so far that straddled two pieces and were copied; the rest were views of shared
+    memory) and ``loader_cpu_ms_per_batch`` (CPU its loader spent per batch), with a checkpoint of
+    the model, optimizer, learning-rate schedule and epoch.
 
     A trial that finds a checkpoint (Tune retried it, restored the sweep, or PBT copied another
     trial's state into it) resumes after the checkpoint's epoch: its loader declares only the epochs
@@ -130,7 +132,9 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
             metrics = {"epoch": epoch + 1, "loss": eval_loss, "accuracy": accuracy,
                        "train_loss": train_loss / max(seen, 1), "samples": seen,
                        "private_samples": loader.private_samples, "data_wait_s": wait, "compute_s": compute,
-                       "stall_fraction": wait / max(wait + compute, 1e-9)}
+                       "stall_fraction": wait / max(wait + compute, 1e-9),
+                       "copied_fraction": loader.stats.copied_fraction,
+                       "loader_cpu_ms_per_batch": loader.stats.cpu_ms_per_batch}
             session.report(metrics, {"epoch": epoch + 1, "lr": float(config["lr"]), "model": model.state_dict(),
                                      "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
 
