@@ -83,6 +83,9 @@ def test_the_shipped_bench_file_is_valid():
     assert cfg.trials == (1, 2, 4, 8) and cfg.size == 224 and cfg.batch_size >= 64
     assert cfg.dataset == "builtin:photos" and cfg.simulated_step_ms == 5 and cfg.epochs == 3
     assert cfg.record_trials == (1, 4) and cfg.record_loaders == ("dataloader", "coordinated-torchvision")
+    speed = load_bench("experiments/bench-speed.yaml")  # the README's speed table
+    assert speed.trials == (1, 4, 8) and speed.loaders == ("dataloader", "coordinated-torchvision")
+    assert (speed.dataset, speed.simulated_step_ms, speed.epochs, speed.record_trials) == ("builtin:photos", 5, 3, ())
 
 
 @pytest.mark.parametrize("text, named", [("trials: [0]", "bench.trials"), ("loaders: [torch]", "torch"),

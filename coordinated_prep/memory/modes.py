@@ -10,7 +10,7 @@ through a selective-checkpoint policy. Evaluation and ``no_grad`` run the plain 
 Batch norm: a recomputed stage runs its batch-norm layers again in training mode, which would
 update their running statistics a second time. Each recomputation therefore restores the stage's
 batch-norm buffers (running mean, variance, batches tracked) to what they were before it, so
-they are updated once per step, as without checkpointing (``tests/test_memory.py`` checks it).
+they are updated once per step, as without checkpointing (``tests/test_memory_modes.py`` checks it).
 """
 
 from __future__ import annotations
