@@ -79,7 +79,7 @@ def test_a_joiner_past_the_head_finishes_when_the_trials_before_it_leave(ray_ses
     assert report["evictions"] == 0 and report["stall_s"] < 1.0, report
     for gate in gates:
         ray.kill(gate)
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
 def test_a_lone_trial_evaluating_longer_than_the_lease_is_not_detached(ray_session, small_dataset, tmp_path):
@@ -98,7 +98,7 @@ def test_a_lone_trial_evaluating_longer_than_the_lease_is_not_detached(ray_sessi
     for trial, epochs in load_records(str(tmp_path)).items():
         check_trial_records(spec, epochs, 8, trial)
         assert int(epochs[-1]["private_samples"]) == 0, f"{trial} was detached"
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
 @pytest.mark.parametrize("scheduler", ["hyperband", "pbt"])
@@ -129,7 +129,7 @@ def test_paused_trials_release_their_place_within_seconds(ray_session, small_dat
     assert report["evictions"] == 0 and report["stall_s"] < 10, report
     for trial, epochs in load_records(str(tmp_path), contiguous=scheduler != "pbt").items():
         check_trial_records(spec, epochs, 8, trial)  # a resumed trial's epochs are exact too
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
 def two_loaders(config: dict) -> None:
@@ -166,7 +166,7 @@ def test_several_loaders_in_one_trial_each_get_exact_epochs(ray_session, small_d
     for name, epochs in records.items():
         which = name.rsplit("-", 1)[1]
         check_trial_records(other if which == "c" else spec, epochs, 12 if which == "b" else 8, name)
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
 def test_a_second_live_iterator_over_one_loader_is_a_clear_error(small_dataset):
@@ -200,7 +200,7 @@ def test_a_sweep_over_four_crop_sizes_costs_one_groups_processes_and_budget(ray_
     assert max(int(e["prep_processes"]) for eps in records.values() for e in eps) == 2, "one pool for 4 groups"
     assert sum(r["peak_staged_bytes"] for r in reports.values()) <= node_budget + 3 * specs[-1].chunk_bytes
     assert all(r["budget_bytes"] <= node_budget for r in reports.values())
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
 def test_a_sweep_interrupted_mid_way_resumes_with_tuner_restore(ray_session, small_dataset, tmp_path):
@@ -229,7 +229,7 @@ def test_a_sweep_interrupted_mid_way_resumes_with_tuner_restore(ray_session, sma
     assert all(set(r.config) == set(param_space) for r in results), "the best config is reusable as it is"
     for trial, epochs in load_records(str(tmp_path / "records")).items():
         check_trial_records(spec, epochs, 8, trial)
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
 def cut_short(config: dict) -> None:
@@ -255,4 +255,4 @@ def test_an_epoch_cut_short_is_passed_over_and_the_next_ones_are_exact(ray_sessi
         check_trial_records(spec, epochs, 8, trial)
     # Nothing past the trials' declared 3 epochs, and the rest of the cut epoch was not all prepared.
     assert report["samples_prepared"] < 3 * report["samples_per_epoch"] + spec.chunk_size * 8, report
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline

@@ -66,7 +66,7 @@ def test_a_straggler_is_detached_after_the_lease_and_keeps_exact_epochs(ray_sess
             assert int(epochs[-1]["private_samples"]) > 0, "the straggler prepared its own pieces after the lease"
         else:
             assert int(epochs[-1]["private_samples"]) == 0, "the lease detaches the straggler only"
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
 def test_a_prep_actor_killed_mid_epoch_is_replaced_and_its_work_redone(ray_session, small_dataset, tmp_path):
@@ -77,7 +77,7 @@ def test_a_prep_actor_killed_mid_epoch_is_replaced_and_its_work_redone(ray_sessi
     assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
     for trial, epochs in load_records(str(tmp_path)).items():
         check_trial_records(spec, epochs, 8, trial)  # byte-identical: re-prepared pieces equal the originals
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
 def test_a_trial_killed_mid_epoch_is_retried_and_rejoins(ray_session, small_dataset, tmp_path):
@@ -90,7 +90,7 @@ def test_a_trial_killed_mid_epoch_is_retried_and_rejoins(ray_session, small_data
     assert (tmp_path / "killed-once").exists(), "the fault was injected"
     for trial, epochs in load_records(str(tmp_path)).items():
         check_trial_records(spec, epochs, 8, trial)
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
 def test_a_killed_coordinator_fails_its_trials_clearly_and_their_retries_join_a_new_one(
@@ -110,7 +110,7 @@ def test_a_killed_coordinator_fails_its_trials_clearly_and_their_retries_join_a_
     for trial, epochs in load_records(str(tmp_path)).items():
         check_trial_records(spec, epochs, 8, trial)
     assert settled(lambda: pids_titled("ray::Coordinator"), []) == [], "a coordinator process outlived the sweep"
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
 def test_skip_policy_leaves_a_truncated_jpeg_out_for_every_trial(ray_session, tmp_path):
@@ -129,4 +129,4 @@ def test_skip_policy_leaves_a_truncated_jpeg_out_for_every_trial(ray_session, tm
     expected = [i for i in train_ids(spec) if i != 5]
     for trial, epochs in load_records(str(tmp_path / "records")).items():
         assert_exactly_once([e["indices"] for e in epochs], expected, trial)
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline

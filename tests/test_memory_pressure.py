@@ -45,4 +45,4 @@ def test_large_batches_in_a_small_object_store_finish_within_the_budget(small_st
     sizes = {t.trial_id: t.config["batch_size"] for t in analysis.trials}
     for trial, epochs in load_records(str(tmp_path / "rec")).items():
         check_trial_records(spec, epochs, sizes[trial], trial)
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline

@@ -80,4 +80,4 @@ def test_forty_trials_under_asha_do_not_grow_memory(ray_session, small_dataset, 
     print(json.dumps({k: v for k, v in figures.items() if k != "samples"}, indent=2))
     assert figures["plasma_mib_last_quarter"] <= figures["plasma_mib_first_quarter"] + 8
     assert figures["coordinator_rss_kib_last_quarter"] <= 1.2 * figures["coordinator_rss_kib_first_quarter"]
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline

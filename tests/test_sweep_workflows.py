@@ -55,7 +55,7 @@ def test_evaluation_is_prepared_once_for_four_trials_by_three_epochs(ray_session
     assert evaluation["evaluations"] == 4 * 3
     assert evaluation["samples_prepared"] == held, "the held-out split is prepared once for the sweep"
     assert evaluation["samples_served"] == 4 * 3 * held
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
 def evaluate_both_ways(config: dict) -> None:
@@ -114,7 +114,7 @@ def test_an_interrupted_sweep_resumes_with_resume_and_finishes_every_trial(ray_s
     assert not resumed["interrupted"] and resumed["resumed"], resumed["trials"]
     assert len(resumed["trials"]) == 4, "the summary covers the whole sweep"
     assert all(t["status"] == "TERMINATED" and t["epochs"] == 3 for t in resumed["trials"]), resumed["trials"]
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
 class _CrashOnce(TuneSession):
@@ -154,7 +154,7 @@ def test_a_killed_trial_retried_under_max_failures_resumes_at_its_checkpointed_e
         assert [r["epoch"] for r in reports] == [1, 2, 3], "epochs 1 and 2 were not trained again"
         assert reports[0]["pid"] == reports[1]["pid"] != reports[2]["pid"], "epoch 3 ran in the retried process"
         assert all(r["samples"] == per_epoch for r in reports)
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
 def _recorded_sweep(tmp_path, small_dataset: str, name: str, scheduler: str) -> str:
@@ -195,7 +195,7 @@ def test_a_pbt_sweep_from_yaml_exploits_and_keeps_every_trials_epochs_exact(ray_
     assert group["released_dead"] >= 1, "PBT paused trials; their places were released"
     for trial, epochs in load_records(str(tmp_path / "records"), contiguous=False).items():
         check_trial_records(cfg.data, epochs, 8, trial)  # an exploited trial's epochs are exact too
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
 def test_a_hyperband_sweep_from_yaml_pauses_trials_and_finishes(ray_session, small_dataset, tmp_path):
@@ -209,4 +209,4 @@ def test_a_hyperband_sweep_from_yaml_pauses_trials_and_finishes(ray_session, sma
     assert any(t["epochs"] < 4 for t in summary["trials"]), "HyperBand stopped some trials early"
     for trial, epochs in load_records(str(tmp_path / "records")).items():
         check_trial_records(cfg.data, epochs, 8, trial)
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline

@@ -65,7 +65,7 @@ def test_concurrent_trials_of_different_batch_sizes_share_one_pipeline(ray_sessi
             assert np.array_equal(np.concatenate([sample_digests(b.images.numpy()) for b in batches]), saved["digests"])
 
     assert live_coordprep_actors() == []
-    assert plasma_objects_settled(baseline) == baseline, "pieces of ours left in the object store"
+    assert plasma_objects_settled(baseline) <= baseline, "pieces of ours left in the object store"
 
 
 def test_tuner_groups_by_spec_and_unshared_trials_match(ray_session, small_dataset, tmp_path):
@@ -91,7 +91,7 @@ def test_tuner_groups_by_spec_and_unshared_trials_match(ray_session, small_datas
     assert len(records) == 4
     for trial, epochs in records.items():
         _check_trial(specs[trial], epochs, 16, trial)
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
 def test_asha_stops_trials_early_without_leaks(ray_session, small_dataset, tmp_path):
@@ -115,7 +115,7 @@ def test_asha_stops_trials_early_without_leaks(ray_session, small_dataset, tmp_p
     for trial, recorded in load_records(str(tmp_path)).items():
         assert len(recorded) >= iterations[trial]
         _check_trial(spec, recorded, 16, trial)
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
 def test_sharing_without_the_searcher_is_a_clear_error_in_the_trial(ray_session, small_dataset, tmp_path):
@@ -163,7 +163,7 @@ def test_a_corrupt_jpeg_fails_its_trials_naming_the_file(ray_session, tmp_path):
     for trial in analysis.trials:
         message = open(trial.error_file).read()
         assert f"trial {trial.trial_id}" in message and "sample 7" in message and victim in message, message
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
     shutil.rmtree(root)
 
 
@@ -180,4 +180,4 @@ def test_the_dali_backend_shares_exact_epochs(ray_session, small_dataset, tmp_pa
     records = load_records(str(tmp_path))
     for t in analysis.trials:  # bytes equal to what the DALI pipeline makes of each sample here
         _check_trial(spec, records[t.trial_id], t.config["batch_size"], t.trial_id)
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) == baseline
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
