@@ -34,6 +34,7 @@ PAGE = mmap.PAGESIZE
 _PROT_READ, _PROT_WRITE = 0x1, 0x2
 _lock = threading.Lock()
 _held: dict[tuple[int, int], int] = {}  # (page-aligned start, length) -> live mappings of it in this process
+_warned = False
 
 
 def padded_empty(shape: tuple[int, ...]) -> np.ndarray:
@@ -89,10 +90,13 @@ def protected_ranges() -> int:
 
 
 def _mprotect(start: int, length: int, prot: int) -> bool:
+    global _warned
     libc = _mprotect_call()
     if libc is None or libc.mprotect(start, length, prot) != 0:
-        logger.warning("mprotect(%#x, %d) failed (errno %d): shared batches are not protected against writes",
-                       start, length, ctypes.get_errno())
+        if not _warned:  # once per process: a trial reads thousands of pieces
+            _warned = True
+            logger.warning("mprotect(%#x, %d) failed (errno %d): shared batches are not protected against writes "
+                           "in this process", start, length, ctypes.get_errno())
         return False
     return True
 
