@@ -11,6 +11,7 @@ from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.spec import DataSpec, PipelineSpec
 
 if TYPE_CHECKING:
+    from coordinated_prep.echo import EchoSpec
     from coordinated_prep.loader import Batch, TrainLoader, eval_loader, train_loader
     from coordinated_prep.searcher import CoordinatedSearcher
 
@@ -23,6 +24,7 @@ __all__ = [
     "CoordinatedSearcher",
     "DataSpec",
     "DatasetError",
+    "EchoSpec",
     "PipelineSpec",
     "PoolSpec",
     "PrepError",
@@ -37,6 +39,7 @@ __version__ = "0.1.0"
 # for it (importing torch costs a process hundreds of MiB of resident memory).
 _LAZY = {
     "Batch": "coordinated_prep.loader",
+    "EchoSpec": "coordinated_prep.echo",
     "TrainLoader": "coordinated_prep.loader",
     "eval_loader": "coordinated_prep.loader",
     "train_loader": "coordinated_prep.loader",

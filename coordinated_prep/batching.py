@@ -10,10 +10,11 @@ view too. The loaders report the fraction copied and the CPU this costs the tria
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -33,12 +34,16 @@ class Batch:
         indices: ``torch.int64`` dataset index of each sample.
         stream_epochs: ``torch.int64`` stream epoch whose augmentation draw produced each sample
             (equal to the trial's epoch for a trial that started at piece 0, or unshared).
+        repeats: ``torch.int64`` how many times this trial saw the sample before in this epoch: 0
+            for a fresh sample, ``r`` for its ``r``-th repeat (a view made before augmentation, or
+            an echo: :mod:`coordinated_prep.echo`).
     """
 
     images: torch.Tensor
     labels: torch.Tensor
     indices: torch.Tensor
     stream_epochs: torch.Tensor
+    repeats: torch.Tensor
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -67,6 +72,66 @@ class BatchStats:
         return 1000 * self.cpu_s / self.batches if self.batches else 0.0
 
 
+class Batcher:
+    """Cuts batches of ``batch_size`` from ``pieces`` in order, and says whether the next is at hand.
+
+    Args:
+        pieces: The pieces, in stream order (``next`` may block until a piece is prepared).
+        batch_size: Samples per batch; the last batch may be smaller.
+        stats: Counters to add batches, copies and CPU time to.
+        ready: Whether the next ``k`` pieces can be had without waiting (the stream's
+            :meth:`~coordinated_prep.streams.PieceStream.ready`); None: always.
+        left: Pieces ``pieces`` still holds, if known: once they are all taken, the last (smaller)
+            batch is at hand too.
+    """
+
+    def __init__(self, pieces: Iterator[PreparedChunk], batch_size: int, stats: BatchStats | None = None,
+                 ready: Callable[[int], bool] | None = None, left: int | None = None) -> None:
+        self._pieces = pieces
+        self.batch_size = batch_size
+        self.stats = stats if stats is not None else BatchStats()
+        self._ready = ready
+        self._left = left
+        self._pending: list[tuple[PreparedChunk, int]] = []  # (piece, first sample not yet batched)
+        self._have = 0
+        self._piece_len = batch_size  # samples per piece, as last seen (to count the pieces a batch needs)
+        self._done = False
+
+    def ready(self) -> bool:
+        """Whether :meth:`next` would return without waiting for a piece to be prepared."""
+        if self._done or self._have >= self.batch_size or self._left == 0 or self._ready is None:
+            return True
+        need = math.ceil((self.batch_size - self._have) / max(self._piece_len, 1))
+        return self._ready(need if self._left is None else min(need, self._left))
+
+    def next(self) -> Batch | None:
+        """The next batch, or None once the pieces are spent (blocks while a piece is prepared)."""
+        cpu = time.thread_time()  # CPU spent reading answers and mapping pieces counts too
+        try:
+            while not self._done and self._have < self.batch_size:
+                piece = next(self._pieces, None)
+                if piece is None:
+                    self._done = True
+                    break
+                if self._left is not None:
+                    self._left -= 1
+                self._pending.append((piece, 0))
+                self._have += len(piece.labels)
+                self._piece_len = len(piece.labels) or self._piece_len
+            if not self._have:
+                return None
+            n = min(self.batch_size, self._have)
+            batch, self._pending = _take(self._pending, n, self.stats)
+            self._have -= n
+            return batch
+        finally:
+            self.stats.cpu_s += time.thread_time() - cpu
+
+    def __iter__(self) -> Iterator[Batch]:
+        while (batch := self.next()) is not None:
+            yield batch
+
+
 def batched(pieces: Iterator[PreparedChunk], batch_size: int, stats: BatchStats | None = None) -> Iterator[Batch]:
     """Batches of ``batch_size`` cut from ``pieces`` in order; the last may be smaller.
 
@@ -75,28 +140,7 @@ def batched(pieces: Iterator[PreparedChunk], batch_size: int, stats: BatchStats 
         batch_size: Samples per batch.
         stats: Counters to add this pass's batches, copies and CPU time to.
     """
-    stats = stats if stats is not None else BatchStats()
-    pending: list[tuple[PreparedChunk, int]] = []  # (piece, first sample not yet batched)
-    have = 0
-    while True:
-        cpu = time.thread_time()
-        piece = next(pieces, None)  # CPU spent reading the answer and mapping the piece counts too
-        if piece is None:
-            break
-        pending.append((piece, 0))
-        have += len(piece.labels)
-        while have >= batch_size:
-            batch, pending = _take(pending, batch_size, stats)
-            have -= batch_size
-            stats.cpu_s += time.thread_time() - cpu
-            yield batch
-            cpu = time.thread_time()
-        stats.cpu_s += time.thread_time() - cpu
-    if have:
-        cpu = time.thread_time()
-        batch, _ = _take(pending, have, stats)
-        stats.cpu_s += time.thread_time() - cpu
-        yield batch
+    return iter(Batcher(pieces, batch_size, stats))
 
 
 def _take(pending: list[tuple[PreparedChunk, int]], n: int,
@@ -125,7 +169,9 @@ def _batch(images: np.ndarray, parts: list[tuple[PreparedChunk, int, int]]) -> B
         warnings.simplefilter("ignore", UserWarning)  # torch warns that a shared array is read-only
         pixels = torch.from_numpy(images)
     epochs = np.concatenate([np.full(b - a, p.epoch, dtype=np.int64) for p, a, b in parts])
+    # A piece of k views lays them view-major: rows [v*n, (v+1)*n) are view v of its n samples.
+    views = np.concatenate([np.arange(a, b, dtype=np.int64) // max(len(p.labels) // p.views, 1) for p, a, b in parts])
     return Batch(images=pixels,
                  labels=torch.from_numpy(np.concatenate([p.labels[a:b] for p, a, b in parts])),
                  indices=torch.from_numpy(np.concatenate([p.indices[a:b] for p, a, b in parts])),
-                 stream_epochs=torch.from_numpy(epochs))
+                 stream_epochs=torch.from_numpy(epochs), repeats=torch.from_numpy(views))

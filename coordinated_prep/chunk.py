@@ -19,25 +19,30 @@ class PreparedChunk(NamedTuple):
     page on each side (:func:`~coordinated_prep.readonly.padded_empty`), and the piece pickles that
     whole buffer, so that a trial can map the images' pages read-only without touching another
     object's bytes (:mod:`coordinated_prep.readonly`).
+
+    A piece of a group with ``views`` = k > 1 (echoing before augmentation) holds k augmented views
+    of each of its n samples, view-major: rows ``[v*n, (v+1)*n)`` are view ``v``, so ``labels`` and
+    ``indices`` repeat k times and the views of one sample lie n rows apart.
     """
 
-    images: np.ndarray  # uint8 (n, 3, size, size)
-    labels: np.ndarray  # int64 (n,)
-    indices: np.ndarray  # int64 (n,): dataset index of each sample
+    images: np.ndarray  # uint8 (n * views, 3, size, size)
+    labels: np.ndarray  # int64 (n * views,)
+    indices: np.ndarray  # int64 (n * views,): dataset index of each row
     epoch: int  # the stream epoch whose augmentation draws produced these samples
+    views: int = 1  # augmented views per sample, laid view-major
 
     def __reduce__(self) -> tuple:
         found = padded_base(self.images)
         if found is None:
             return PreparedChunk, tuple(self)
         base, offset = found
-        return _unpickle_padded, (base, offset, self.images.shape, self.labels, self.indices, self.epoch)
+        return _unpickle_padded, (base, offset, self.images.shape, self.labels, self.indices, self.epoch, self.views)
 
 
 def _unpickle_padded(base: np.ndarray, offset: int, shape: tuple[int, ...], labels: np.ndarray,
-                     indices: np.ndarray, epoch: int) -> PreparedChunk:
+                     indices: np.ndarray, epoch: int, views: int = 1) -> PreparedChunk:
     nbytes = int(np.prod(shape))
-    return PreparedChunk(base[offset : offset + nbytes].reshape(shape), labels, indices, epoch)
+    return PreparedChunk(base[offset : offset + nbytes].reshape(shape), labels, indices, epoch, views)
 
 
 class ChunkTiming(NamedTuple):
@@ -54,9 +59,14 @@ class ChunkTiming(NamedTuple):
 
 def prepare_chunk(
     source: DataSource, preprocessor: Preprocessor, seed: int, epoch: int, indices: np.ndarray, size: int,
-    on_error: Literal["raise", "skip"] = "raise",
+    on_error: Literal["raise", "skip"] = "raise", views: int = 1,
 ) -> tuple[PreparedChunk, ChunkTiming]:
     """Read, decode and augment the samples ``indices`` for stream epoch ``epoch``.
+
+    With ``views`` = k > 1 each sample is read and decoded once and augmented k times (view ``v``'s
+    crop drawn from seed, epoch, index and ``v``; view 0's is the draw of ``views=1``), laid
+    view-major (see :class:`PreparedChunk`). A DALI backend decodes the crop window of each view
+    (its ROI decoder), so there k views cost k partial decodes.
 
     All samples are read first (the fetch stage), then transformed: in one call for a
     :class:`BatchPreprocessor` (DALI), else one by one. With ``on_error="skip"`` a sample that cannot
@@ -93,18 +103,27 @@ def prepare_chunk(
     kept: list[int] = []
     if isinstance(preprocessor, BatchPreprocessor) and blobs:
         try:
-            batch = preprocessor.train_batch([d for _, d in blobs], seed, epoch, [i for i, _ in blobs])
+            datas, ids_ = [d for _, d in blobs] * views, [i for i, _ in blobs] * views  # view-major
+            if views == 1:
+                batch = preprocessor.train_batch(datas, seed, epoch, ids_)
+            else:
+                batch = preprocessor.train_batch(datas, seed, epoch, ids_, [v for v in range(views) for _ in blobs])
             images = padded_empty(batch.shape)
             images[...] = batch  # into a padded buffer, so trials can map it read-only
             kept = [i for i, _ in blobs]
         except Exception:  # one bad sample fails the whole batch: find it sample by sample below
             images = None
     if images is None:
-        images = padded_empty((len(blobs), 3, size, size))
+        n = len(blobs)
+        images = padded_empty((views * n, 3, size, size))
+        rows = images.reshape(views, n, 3, size, size) if n else images  # view-major, written in place
         kept = []
         for index, data in blobs:
             try:
-                images[len(kept)] = preprocessor.train(data, seed, epoch, index)
+                if views == 1:
+                    rows[0, len(kept)] = preprocessor.train(data, seed, epoch, index)
+                else:
+                    rows[:, len(kept)] = preprocessor.train_views(data, seed, epoch, index, views)
             except Exception as e:  # decoders raise RuntimeError/ValueError/OSError: name the file
                 error = SampleError(index, source.describe(index), f"cannot decode or transform: {e}")
                 if on_error == "raise":
@@ -112,10 +131,18 @@ def prepare_chunk(
                 skipped.append((error.index, error.path, error.reason))
                 continue
             kept.append(index)
-        images = images[: len(kept)]
+        if len(kept) < n:  # skipped samples: close the gaps of every view (rare; one copy)
+            if views == 1:
+                images = images[: len(kept)]
+            else:
+                packed = padded_empty((views * len(kept), 3, size, size))
+                packed.reshape(views, len(kept), 3, size, size)[...] = rows[:, : len(kept)]
+                images = packed
     fetch_s, transform_s = t1 - t0, time.perf_counter() - t1
     ids = np.asarray(kept, dtype=np.int64)
-    chunk = PreparedChunk(images, source.labels[ids], ids, epoch)
+    if views > 1:
+        ids = np.tile(ids, views)
+    chunk = PreparedChunk(images, source.labels[ids], ids, epoch, views)
     return chunk, ChunkTiming(fetch_s, transform_s, tuple(skipped))
 
 

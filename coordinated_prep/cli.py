@@ -1,4 +1,4 @@
-"""The ``coordprep`` command: ``coordprep sweep|analyze|memory|bench <experiment.yaml>``, ``convert`` and ``clean``."""
+"""``coordprep``: ``sweep|analyze|memory|bench|echo <experiment.yaml>``, ``convert`` and ``clean``."""
 
 from __future__ import annotations
 
@@ -57,6 +57,13 @@ def main(argv: list[str] | None = None) -> int:
                        help="the benchmark's YAML file (default experiments/bench.yaml)")
     bench.add_argument("--trials", help="comma-separated concurrent trial counts, overriding the file (e.g. 1,4)")
     bench.add_argument("--out", help="directory for bench.csv and bench.png (default <storage_path>/<name>)")
+    echo = sub.add_parser("echo", help="compare data-echoing variants on one sweep: time and fresh samples to "
+                                       "echo-off's final accuracy, final accuracy, stalls; writes echo.csv/json/png")
+    echo.add_argument("experiment", nargs="?", default="experiments/echo.yaml",
+                      help="the echo experiment's YAML file (default experiments/echo.yaml)")
+    echo.add_argument("--variants", help="comma-separated variant names to run (default all; off is always run)")
+    echo.add_argument("--out", help="directory for echo.csv, echo.json and echo.png (default <storage_path>/<name>)")
+    echo.add_argument("--dry-run", action="store_true", help="validate the file and every variant's sweep, then stop")
     convert = sub.add_parser("convert", help="write an ImageFolder as a Parquet dataset (record files)")
     convert.add_argument("imagefolder", help="the ImageFolder directory, or builtin:shapes / builtin:shapes-large")
     convert.add_argument("out", help="the output directory (created; must be empty unless --overwrite)")
@@ -69,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "directory) that killed or crashed sweeps left on this machine")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    commands = {"sweep": _sweep, "analyze": _analyze, "memory": _memory, "bench": _bench, "convert": _convert,
-                "clean": _clean}
+    commands = {"sweep": _sweep, "analyze": _analyze, "memory": _memory, "bench": _bench, "echo": _echo,
+                "convert": _convert, "clean": _clean}
     try:
         return commands[args.command](args)
     except CoordinatedPrepError as e:
@@ -96,6 +103,30 @@ def _sweep(args: argparse.Namespace) -> int:
         sys.stdout.write(f"The sweep was interrupted; resume it with: coordprep sweep {args.experiment} --resume\n")
         return 1
     return 0 if all(t["status"] != "ERROR" for t in summary["trials"]) else 1
+
+
+def _echo(args: argparse.Namespace) -> int:
+    import dataclasses
+    import os
+
+    from coordinated_prep.bench.echo import BASELINE, format_echo, load_echo, run_echo
+
+    experiment = load_echo(args.experiment)
+    if args.variants:
+        wanted = {BASELINE, *(v.strip() for v in args.variants.split(","))}
+        unknown = sorted(wanted - {v.name for v in experiment.variants})
+        if unknown:
+            raise ConfigError(f"echo: --variants names {unknown}, not in {[v.name for v in experiment.variants]}")
+        experiment = dataclasses.replace(experiment, variants=tuple(v for v in experiment.variants if v.name in wanted))
+    if args.dry_run:
+        sys.stdout.write(f"{args.experiment}: valid ({len(experiment.variants)} variants: "
+                         f"{', '.join(v.name for v in experiment.variants)})\n")
+        return 0
+    sweep = experiment.sweep
+    out = args.out or os.path.join(sweep.get("storage_path", "runs"), sweep.get("name", "echo"))
+    result = run_echo(experiment, out)
+    sys.stdout.write("\n" + format_echo(result) + f"\n\nWritten to {out} (echo.csv, echo.json, echo.png)\n")
+    return 0
 
 
 def _analyze(args: argparse.Namespace) -> int:

@@ -43,12 +43,19 @@ class BatchSource(DataSource, Protocol):
 class Preprocessor(Protocol):
     """Turns encoded samples into uint8 arrays of shape (3, size, size).
 
-    Augmentation must be a pure function of (seed, epoch, sample index): the same inputs give
+    Augmentation must be a pure function of (seed, epoch, sample index, view): the same inputs give
     the same bytes in any process, whichever actor does the work.
     """
 
     def train(self, data: bytes, seed: int, epoch: int, index: int) -> np.ndarray:
         """Decode and randomly augment one training sample (``data``: bytes or a uint8 array)."""
+        ...
+
+    def train_views(self, data: bytes, seed: int, epoch: int, index: int, views: int) -> np.ndarray:
+        """Decode one training sample once and augment it ``views`` times: uint8 (views, 3, size, size).
+
+        View 0 equals :meth:`train`'s output; view ``v``'s draw is a pure function of (seed, epoch,
+        index, v)."""
         ...
 
     def eval(self, data: bytes) -> np.ndarray:
@@ -60,6 +67,8 @@ class Preprocessor(Protocol):
 class BatchPreprocessor(Preprocessor, Protocol):
     """A preprocessor that also prepares many samples in one call (DALI works a batch at a time)."""
 
-    def train_batch(self, datas: Sequence[bytes], seed: int, epoch: int, indices: Sequence[int]) -> np.ndarray:
-        """Decode and augment ``datas`` into uint8 (n, 3, size, size), aligned with ``indices``."""
+    def train_batch(self, datas: Sequence[bytes], seed: int, epoch: int, indices: Sequence[int],
+                    views: Sequence[int] | None = None) -> np.ndarray:
+        """Decode and augment ``datas`` into uint8 (n, 3, size, size), aligned with ``indices``
+        (and with ``views``, each row's view number; None: all view 0)."""
         ...

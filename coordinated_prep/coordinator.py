@@ -274,7 +274,7 @@ class Coordinator:
                     self._enforce_lease()
 
     def _head_bytes(self) -> int:
-        return self.plan.chunk_len(self.buffer.head) * self.spec.pipeline.sample_bytes  # type: ignore[union-attr]
+        return self.plan.chunk_len(self.buffer.head) * self.spec.sample_bytes
 
     def _producer_state(self) -> str:
         """``go`` (reserve the head now), ``stalled`` (the budget is full of pieces some trials have

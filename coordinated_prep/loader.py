@@ -11,7 +11,8 @@ import weakref
 from typing import Any, Generator, Iterator, Mapping
 
 from coordinated_prep import metrics
-from coordinated_prep.batching import Batch, BatchStats, batched
+from coordinated_prep.batching import Batch, Batcher, BatchStats, batched
+from coordinated_prep.echo import EchoCounts, EchoSpec, echoed, epoch_rng
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.eval_stream import private_eval_pieces, shared_eval_pieces
 from coordinated_prep.spec import DataSpec
@@ -41,25 +42,36 @@ def resolve_spec(config: Mapping[str, Any] | DataSpec, key: str = "data") -> Dat
 class TrainLoader:
     """Iterate once per epoch: ``for batch in loader`` yields the batches of the trial's next epoch.
 
-    Each epoch holds every training sample exactly once; the last batch may be smaller.
+    Each epoch holds every training sample exactly once as a fresh sample (``Batch.repeats == 0``);
+    with echo or views it also holds repeats (:mod:`coordinated_prep.echo`). The last batch may be
+    smaller.
 
     Args:
         stream: Where the pieces come from (shared or private).
         batch_size: Samples per batch.
         epochs: Epochs the trial will read, or None for no limit.
         tags: Metric tags (``group``, ``trial``) for the data-wait metrics.
+        echo: How this trial echoes its data (:class:`~coordinated_prep.echo.EchoSpec`).
+        views: Augmented views per sample in the stream (``DataSpec.views``).
+        seed: Seed of the echo buffer's draws (the data seed).
     """
 
     def __init__(self, stream: PieceStream, batch_size: int, epochs: int | None = None,
-                 tags: Mapping[str, str] | None = None) -> None:
+                 tags: Mapping[str, str] | None = None, echo: EchoSpec | None = None, views: int = 1,
+                 seed: int = 0) -> None:
         self._stream = stream
         self.batch_size = batch_size
         self.epochs = epochs
         self.data_wait_s = 0.0  # seconds spent blocked in this loader, all epochs together
         self._tags = dict(tags or {"group": "-", "trial": "-"})
         self.epoch = 0
-        self.samples_per_epoch = stream.samples_per_epoch
+        self.samples_per_epoch = stream.samples_per_epoch  # fresh samples per epoch
+        self.echo = echo or EchoSpec()
+        self.views = views
+        self._seed = seed
         self.stats = BatchStats()  # batches cut, how many were copies, and the CPU they cost this trial
+        self.echo_counts = EchoCounts()  # fresh and repeated samples, all epochs together
+        self.epoch_counts = EchoCounts()  # the same, for the epoch being read (or the last one read)
         # The current epoch's iterator, weakly: a `for` loop that breaks drops it, and then it is gone.
         self._live: weakref.ref[Generator[Batch, None, None]] | None = None
 
@@ -78,8 +90,23 @@ class TrainLoader:
         """Actor name of the coordinator serving this trial (None when unshared)."""
         return self._stream.coordinator
 
-    def __len__(self) -> int:
+    @property
+    def fresh_batches_per_epoch(self) -> int:
+        """Batches an epoch would hold without echo or views: the unit of a learning-rate schedule."""
         return math.ceil(self.samples_per_epoch / self.batch_size)
+
+    def __len__(self) -> int:
+        """Batches per epoch, echoes included.
+
+        Raises:
+            TypeError: With ``echo="auto"`` the number varies with the stalls; use
+                ``fresh_batches_per_epoch`` to size a schedule.
+        """
+        n = self.echo.batches_per_epoch(self.views * self.samples_per_epoch, self.batch_size)
+        if n is None:
+            raise TypeError("len() of a train_loader with echo='auto' is not fixed (it echoes only while fresh data "
+                            "is not ready); size schedules with loader.fresh_batches_per_epoch")
+        return n
 
     def __iter__(self) -> Iterator[Batch]:
         """The batches of the trial's next epoch.
@@ -112,14 +139,21 @@ class TrainLoader:
             if batch is None:
                 return
             metrics.inc("batches", 1, **self._tags)
+            fresh, echoed_before = self.epoch_counts.fresh, self.epoch_counts.echoed
+            self.epoch_counts.add(batch)
+            self.echo_counts.add(batch)
+            metrics.inc("fresh_samples", self.epoch_counts.fresh - fresh, **self._tags)
+            metrics.inc("echoed_samples", self.epoch_counts.echoed - echoed_before, **self._tags)
             yield batch
 
     def _batches(self, epoch: int) -> Iterator[Batch]:
         first = self._stream.start + epoch * self._stream.chunks_per_epoch
         if self._stream.position < first:  # the previous epoch was cut short (break, max steps)
             self._stream.skip_to(first)  # its rest is passed over, so this epoch is again exactly one pass
+        self.epoch_counts = EchoCounts()
         pieces = (self._stream.next_piece() for _ in range(self._stream.chunks_per_epoch))
-        yield from batched(pieces, self.batch_size, self.stats)
+        fresh = Batcher(pieces, self.batch_size, self.stats, self._stream.ready, self._stream.chunks_per_epoch)
+        yield from echoed(fresh, self.echo, epoch_rng(self._seed, self._stream.start, epoch))
 
     def close(self) -> None:
         """Leave the data group now instead of when Tune reports the trial finished."""
@@ -134,7 +168,7 @@ class TrainLoader:
 
 def train_loader(
     config: Mapping[str, Any] | DataSpec, batch_size: int, *, epochs: int | None = None, key: str = "data",
-    prefetch: int | None = None,
+    prefetch: int | None = None, echo: Any = None,
 ) -> TrainLoader:
     """The training loader of a Tune trial.
 
@@ -151,6 +185,10 @@ def train_loader(
             ``lookahead`` pieces past the end are prepared and dropped when the trials leave.
         key: Config key of the DataSpec.
         prefetch: Pieces requested ahead; defaults to two batches' worth, at least two pieces.
+        echo: Data echoing for this trial (:mod:`coordinated_prep.echo`): ``1``/``"off"`` (default),
+            ``e`` or ``"example:e"``, ``"batch:e"``, ``"auto"`` or ``"auto:c"``, or an
+            :class:`~coordinated_prep.echo.EchoSpec`. Not part of the data group: trials echoing
+            differently share one stream. The ready trainables read it from ``config["echo"]``.
 
     Outside a Tune trial (a sweep's best config trained again, say) a coordinated spec is prepared
     in this process, as with ``coordinated=False``. A trial may create several loaders (other
@@ -165,16 +203,19 @@ def train_loader(
     if epochs is not None and (not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1):
         raise ConfigError(f"train_loader: epochs={epochs!r} must be a positive integer or None")
     spec = resolve_spec(config, key)
+    echo_spec = EchoSpec.parse(echo, "train_loader(echo=...)")
     trial = _current_trial_id(required=False)
+    options = {"echo": echo_spec, "views": spec.views, "seed": spec.seed}
     if not spec.coordinated or trial == _OUTSIDE_TUNE:
         if spec.coordinated:  # e.g. a sweep's best config, trained again outside Tune: nothing to share with
             logger.info("train_loader: not inside a Tune trial; preparing data in this process (the same bytes a "
                         "shared trial starting at piece 0 reads)")
-        return TrainLoader(PrivateStream(spec), batch_size, epochs, {"group": spec.group_key, "trial": trial})
+        return TrainLoader(PrivateStream(spec), batch_size, epochs, {"group": spec.group_key, "trial": trial},
+                           **options)
     _LOADERS[trial] += 1  # a trial's k-th loader is its own consumer: several loaders per trial work
     consumer = trial if _LOADERS[trial] == 1 else f"{trial}#{_LOADERS[trial]}"
     return TrainLoader(SharedStream(spec, trial, consumer, batch_size, prefetch, epochs), batch_size, epochs,
-                       {"group": spec.group_key, "trial": trial})
+                       {"group": spec.group_key, "trial": trial}, **options)
 
 
 def eval_loader(config: Mapping[str, Any] | DataSpec, batch_size: int, *, key: str = "data") -> Iterator[Batch]:

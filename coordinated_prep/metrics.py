@@ -17,6 +17,8 @@ metrics export port (Ray adds its ``ray_`` prefix there; counters gain ``_total`
 | ``coordprep_errors`` | counter | group, kind | coordinator: ``skipped_sample``, ``failed_piece``, ``lease_detached`` |
 | ``coordprep_data_wait_seconds`` | counter | group, trial | the trial's loader: time blocked on data |
 | ``coordprep_batches`` | counter | group, trial | the trial's loader |
+| ``coordprep_fresh_samples`` | counter | group, trial | the trial's loader: samples seen the first time in the epoch |
+| ``coordprep_echoed_samples`` | counter | group, trial | the trial's loader: repeats (echoes, extra views) |
 | ``coordprep_cache_hits`` | counter | node, where | node cache: ``local`` (same node) or ``remote`` reader |
 | ``coordprep_cache_misses`` | counter | node | node cache |
 | ``coordprep_cache_bytes`` | gauge | node | node cache: encoded bytes held |
@@ -53,6 +55,10 @@ DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "errors": ("counter", "Errors by kind (skipped_sample, failed_piece, lease_detached)", ("group", "kind")),
     "data_wait_seconds": ("counter", "Seconds a trial waited for its next batch", ("group", "trial")),
     "batches": ("counter", "Batches a trial's loader delivered", ("group", "trial")),
+    "fresh_samples": ("counter", "Fresh samples a trial's loader delivered (first time in the epoch)",
+                      ("group", "trial")),
+    "echoed_samples": ("counter", "Repeated samples a trial's loader delivered (data echoing, extra views)",
+                       ("group", "trial")),
     "cache_hits": ("counter", "Samples the node cache served, to a reader on its node (local) or another (remote)",
                    ("node", "where")),
     "cache_misses": ("counter", "Samples asked of the node cache that it did not hold", ("node",)),

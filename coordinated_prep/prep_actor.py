@@ -54,6 +54,7 @@ class PrepActor:
         reads, hits = (cached.storage_reads, cached.cache_hits) if cached else (0, 0)
         chunk, timing = prepare_chunk(
             source, preprocessor, spec.seed, epoch, indices, spec.pipeline.size, spec.on_error,  # type: ignore[union-attr]
+            spec.views,
         )
         # The put stage (serialising into the object store) happens after this returns; the
         # coordinator measures it as the time from here until it learns the task finished.

@@ -17,6 +17,7 @@ Backend = Literal["torchvision", "dali"]
 OnError = Literal["raise", "skip"]
 BACKENDS: tuple[str, ...] = ("torchvision", "dali")
 BUILTIN_PREFIX = "builtin:"
+MAX_VIEWS = 16
 
 
 def _pair(name: str, value: Any) -> tuple[float, float]:
@@ -114,6 +115,11 @@ class DataSpec:
         on_error: What a broken sample (unreadable, truncated, not an image) does: ``raise`` fails
             the trials that read it, naming the file and index; ``skip`` leaves it out for every
             trial of the group alike, logged once with its path and counted in the summary.
+        views: Augmented views of each sample per epoch (echoing before augmentation): a prep actor
+            reads and decodes a sample once and augments it ``views`` times, each view's crop drawn
+            from (seed, epoch, sample, view); view 0 is the draw of ``views=1``. A trial's epoch
+            then holds every sample ``views`` times, and the staged bytes grow with it. Part of the
+            group key, unlike a trial's ``echo`` (:mod:`coordinated_prep.echo`).
         lease_s: Longest time production waits for the trials holding the oldest staged piece
             when the byte budget is full and another trial waits for a piece; after it those trials
             (stragglers) are detached and prepare their own pieces from then on, byte-identical and
@@ -132,6 +138,7 @@ class DataSpec:
     fetch_timeout_s: float = 300.0
     lease_s: float = 30.0
     on_error: OnError = "raise"
+    views: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.pipeline, Mapping):
@@ -150,12 +157,16 @@ class DataSpec:
         if self.chunk_size is not None:
             _check_int("data.chunk_size", self.chunk_size, 1)
         _check_int("data.segments", self.segments, 1)
+        _check_int("data.views", self.views, 1)
+        if self.views > MAX_VIEWS:
+            raise ConfigError(f"data.views={self.views} is more than {MAX_VIEWS}: echoing helps only up to a few "
+                              "repeats (Choi et al.); use views of 2-4")
         if self.staging_bytes is not None:
             _check_int("data.staging_bytes", self.staging_bytes, 1)
             if self.staging_bytes < self.chunk_bytes:
                 raise ConfigError(
                     f"data.staging_bytes={self.staging_bytes} is smaller than one piece "
-                    f"({self.chunk_bytes} bytes = chunk_size x 3 x size x size); raise it or lower chunk_size"
+                    f"({self.chunk_bytes} bytes = chunk_size x views x 3 x size x size); raise it or lower chunk_size"
                 )
         if self.lookahead is not None:
             _check_int("data.lookahead", self.lookahead, 1)
@@ -174,9 +185,14 @@ class DataSpec:
         return f"DataSpec({', '.join(changed)})"
 
     @property
+    def sample_bytes(self) -> int:
+        """Bytes one training sample takes in a piece: all its views."""
+        return self.views * self.pipeline.sample_bytes  # type: ignore[union-attr]
+
+    @property
     def chunk_bytes(self) -> int:
         """Bytes of one full prepared piece (of the smallest automatic size when ``chunk_size`` is None)."""
-        return piece_size(self.chunk_size, 0) * self.pipeline.sample_bytes  # type: ignore[union-attr]
+        return piece_size(self.chunk_size, 0) * self.sample_bytes
 
     @property
     def group_key(self) -> str:

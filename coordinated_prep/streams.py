@@ -44,6 +44,10 @@ class PieceStream(Protocol):
         """Pass over every piece before piece ``g`` without reading it, at once (no waiting)."""
         ...
 
+    def ready(self, k: int = 1) -> bool:
+        """Whether the next ``k`` pieces can be had without waiting for another process to prepare them."""
+        ...
+
     def close(self) -> None:
         """Release what the stream holds."""
         ...
@@ -75,12 +79,17 @@ class PrivateStream:
     def skip_to(self, g: int) -> None:
         self._next = max(self._next, g)
 
+    def ready(self, k: int = 1) -> bool:
+        """Always: this process prepares each piece when asked, and waits on nobody."""
+        return True
+
     def next_piece(self) -> PreparedChunk:
         g, self._next = self._next, self._next + 1
         epoch, _ = self._plan.locate(g)
         chunk, _ = prepare_chunk(
             self._source, self._preprocessor, self._spec.seed, epoch,
             self._plan.chunk_samples(g), self._spec.pipeline.size, self._spec.on_error,  # type: ignore[union-attr]
+            self._spec.views,
         )
         self.private_samples += len(chunk.labels)
         return chunk
@@ -154,15 +163,33 @@ class SharedStream:
         self._next = max(self._next, g)
         self._coordinator.skip_to.remote(self._trial, self._token, g)  # ordered before later fetches
 
-    def _answer(self) -> tuple[int, dict[str, Any] | None]:
-        """The coordinator's answer for the next piece; None once this trial prepares its own."""
+    def ready(self, k: int = 1) -> bool:
+        """Whether the coordinator has answered for the next ``k`` pieces (or as many as are requested).
+
+        The coordinator answers a fetch once the piece is prepared, so an answer at hand means the
+        piece is in the object store; asking costs no wait (``ray.wait`` with timeout 0)."""
         if self._fallback is not None:
-            return self._fallback.position, None
-        while len(self._pending) < self._prefetch:  # bounded: at most `prefetch` requests in flight
+            return True
+        self._request_ahead()
+        refs = [ref for _, ref in list(self._pending)[: max(1, k)]]
+        if not refs:
+            return True  # nothing left to read: next_piece fails at once, no waiting either
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        return len(done) == len(refs)
+
+    def _request_ahead(self) -> None:
+        """Keep ``prefetch`` requests in flight (bounded), none past the declared epochs."""
+        while len(self._pending) < self._prefetch:
             if self._end is not None and self._next >= self._end:
                 break
             g, self._next = self._next, self._next + 1
             self._pending.append((g, self._coordinator.fetch.remote(self._trial, self._token, g, self._timeout)))
+
+    def _answer(self) -> tuple[int, dict[str, Any] | None]:
+        """The coordinator's answer for the next piece; None once this trial prepares its own."""
+        if self._fallback is not None:
+            return self._fallback.position, None
+        self._request_ahead()
         if not self._pending:
             raise PrepError(f"trial {self._trial}: read past the {self._end - self.start} pieces it declared "
                             "(train_loader's epochs); raise epochs or leave it unset")

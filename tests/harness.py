@@ -40,14 +40,18 @@ def train_ids(spec: DataSpec) -> np.ndarray:
     return holdout_split(len(open_source(spec.dataset)), spec.holdout)[0]
 
 
-def reference_digests(spec: DataSpec, epochs: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    """What the unshared pipeline makes of each (stream epoch, index), computed in this process."""
+def reference_digests(spec: DataSpec, epochs: np.ndarray, indices: np.ndarray,
+                      views: np.ndarray | None = None) -> np.ndarray:
+    """What the unshared pipeline makes of each (stream epoch, index[, view]), computed in this process."""
     source, prep = open_source(spec.dataset), make_preprocessor(spec.pipeline)
+    views = np.zeros(len(indices), dtype=np.int64) if views is None else np.asarray(views)
     out = np.empty(len(indices), dtype=np.uint64)
     for e in np.unique(epochs):
-        sel = epochs == e
-        chunk, _ = prepare_chunk(source, prep, spec.seed, int(e), indices[sel], spec.pipeline.size)
-        out[sel] = sample_digests(chunk.images)
+        for v in np.unique(views[epochs == e]):
+            sel = (epochs == e) & (views == v)
+            chunk, _ = prepare_chunk(source, prep, spec.seed, int(e), indices[sel], spec.pipeline.size,
+                                     views=int(v) + 1)
+            out[sel] = sample_digests(chunk.images[int(v) * int(sel.sum()):])
     return out
 
 
@@ -61,3 +65,19 @@ def check_trial_records(spec: DataSpec, epochs: list[dict], batch_size: int, who
         assert len(sizes) == math.ceil(len(ids) / batch_size)
         want = reference_digests(spec, e["stream_epochs"], e["indices"])
         assert np.array_equal(e["digests"], want), f"{who}: bytes differ from the unshared pipeline"
+
+
+def assert_fresh_exactly_once(epochs: Sequence[dict], expected: Iterable[int], most: int, who: str = "trial") -> None:
+    """Echoed epochs (dicts with ``indices`` and ``repeats`` per delivered row): the fresh rows
+    (``repeats == 0``) hold each sample exactly once, every row's (index, repeat) is delivered once,
+    and no sample comes more than ``most`` times (``most - 1`` repeats)."""
+    want = np.fromiter(expected, dtype=np.int64)
+    assert_exactly_once([np.asarray(e["indices"])[np.asarray(e["repeats"]) == 0] for e in epochs], want, who)
+    for k, e in enumerate(epochs):
+        indices, repeats = np.asarray(e["indices"], dtype=np.int64), np.asarray(e["repeats"], dtype=np.int64)
+        assert set(np.unique(indices).tolist()) <= set(want.tolist()), f"{who} epoch {k}: a sample not in the split"
+        pairs = indices * (most + 1) + repeats
+        assert np.unique(pairs).size == pairs.size, f"{who} epoch {k}: a (sample, repeat) delivered twice"
+        assert repeats.min() >= 0 and repeats.max() < most, f"{who} epoch {k}: repeat {repeats.max()} >= {most}"
+        counts = np.bincount(indices)
+        assert counts.max() <= most, f"{who} epoch {k}: sample {int(counts.argmax())} came {counts.max()} times"

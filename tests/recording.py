@@ -126,7 +126,8 @@ def record(config: dict) -> None:
     ``gate`` (name of a :class:`Gate` in the coordinated_prep namespace: after epoch ``gate_after``
     the trial arrives there and waits for the test to open it), ``eval_s`` (seconds of a simulated
     evaluation after each epoch), ``evaluate`` (True: read the held-out split with ``eval_loader``
-    after each epoch). Each epoch also records the prep processes alive on the machine.
+    after each epoch), ``echo`` (the loader's echo setting). Each epoch also records the prep
+    processes alive on the machine.
     """
     out = os.path.join(config["out"], tune.get_context().get_trial_id())
     os.makedirs(out, exist_ok=True)
@@ -135,7 +136,8 @@ def record(config: dict) -> None:
     if first >= config["epochs"]:
         return  # restored from a checkpoint of its last epoch (a PBT exploit of a finished trial)
     loader = train_loader(config, batch_size=config["batch_size"],
-                          epochs=config["epochs"] - first if config.get("declare_epochs", True) else None)
+                          epochs=config["epochs"] - first if config.get("declare_epochs", True) else None,
+                          echo=config.get("echo"))
     for epoch in range(first, config["epochs"]):
         parts = []
         for step, b in enumerate(loader):

@@ -72,3 +72,19 @@ def test_a_missing_dali_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # makes `import nvidia.dali` raise ImportError
     with pytest.raises(ConfigError, match=r"pip install nvidia-dali-cuda120.*backend: torchvision"):
         make_preprocessor(PipelineSpec(size=16, backend="dali"))
+
+
+def test_views_before_augmentation_match_torchvisions_draws(source):
+    dali = make_preprocessor(PipelineSpec(**SPEC, backend="dali"))
+    tv = make_preprocessor(PipelineSpec(**SPEC))
+    ids = np.array([3, 8, 1])
+    a, _ = prepare_chunk(source, dali, 2, 1, ids, 32, views=2)
+    b, _ = prepare_chunk(source, tv, 2, 1, ids, 32, views=2)
+    plain, _ = prepare_chunk(source, dali, 2, 1, ids, 32)
+    assert a.images.shape == (6, 3, 32, 32) and np.array_equal(a.indices, np.tile(ids, 2))
+    assert np.array_equal(a.images[:3], plain.images), "view 0 is the draw without views"
+    # The same crop box per view as torchvision's: only the resampler differs.
+    assert np.abs(a.images.astype(int) - b.images.astype(int)).mean() < 2.0
+    assert not np.array_equal(a.images[:3], a.images[3:]), "view 1 is another draw"
+    view = dali.train_views(source.read(8), 2, 1, 8, 2)
+    assert np.array_equal(view, a.images[[1, 4]])

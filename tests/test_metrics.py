@@ -77,7 +77,7 @@ def test_metrics_are_scraped_during_a_sweep_with_plausible_values(ray_session, s
     searcher = CoordinatedSearcher(cache=CacheSpec("32MiB"))
     try:
         analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}),
-                            config={"data": spec, "batch_size": 8, "epochs": epochs, "delay_s": 0.05,
+                            config={"data": spec, "batch_size": 8, "epochs": epochs, "delay_s": 0.05, "echo": "batch:2",
                                     "evaluate": True, "score": tune.grid_search([1, 2]), "out": str(tmp_path)},
                             search_alg=searcher, verbose=0)
     finally:
@@ -107,7 +107,11 @@ def test_metrics_are_scraped_during_a_sweep_with_plausible_values(ray_session, s
         assert value(final, "samples_served", group=group, trial=t) == expected
         # Exported from the trial's own process, every second: the last second before the process
         # exits may never reach the agent, so these are checked as a lower part of the truth.
-        assert 0 < value(final, "batches", group=group, trial=t) <= epochs * math.ceil(len(train_ids(spec)) / 8)
+        # Batch echoing (batch:2) delivers every batch twice: half the samples are fresh, half echoed.
+        batches = value(final, "batches", group=group, trial=t)
+        assert 0 < batches <= 2 * epochs * math.ceil(len(train_ids(spec)) / 8)
+        assert 0 < value(final, "fresh_samples", group=group, trial=t) <= expected
+        assert 0 < value(final, "echoed_samples", group=group, trial=t) <= expected
         assert value(final, "data_wait_seconds", group=group, trial=t) > 0
     assert {value(s, "staging_budget_bytes", group=group) for s in during} - {None} == {spec.staging_bytes}
     peaks = [value(s, "staged_bytes", group=group) or 0 for s in during]

@@ -79,12 +79,22 @@ def test_a_cache_is_configured_with_units(tmp_path):
     (("num_samples: 2", "num_samples: 2\ncache: {capacity_bytes: lots}"), "cache.capacity_bytes='lots' must be"),
     (("num_samples: 2", "num_samples: 2\ncache: {capacity: 1GiB}"), r"cache: unknown key\(s\) \['capacity'\]"),
     (("num_samples: 2", "num_samples: 2\ncache: 1GiB"), "cache must be a mapping"),
+    (("  epochs: 2\n", "  epochs: 2\n  echo: {choice: [1, twice]}\n"),
+     r"search_space.echo.choice\[1\]='twice' is not a valid echo setting .* use 1 or 'off'"),
+    (("  epochs: 2\n", "  epochs: 2\n  echo: {uniform: [1, 3]}\n"), "cannot pick echo settings"),
+    (("seed: 3,", "seed: 3, views: 0,"), "data.views=0 must be an integer >= 1"),
 ])
 def test_mistakes_name_the_file_key_and_allowed_values(tmp_path, change, message):
     path = _write(tmp_path, GOOD.replace(*change))
     with pytest.raises(ConfigError, match=message) as info:
         load_sweep(path)
     assert str(info.value).startswith(path)
+
+
+def test_echo_is_searched_like_any_hyperparameter(tmp_path):
+    cfg = load_sweep(_write(tmp_path, GOOD.replace("  epochs: 2\n", "  epochs: 2\n  echo: {choice: [1, 2, auto]}\n")))
+    assert cfg.search_space["echo"].args == (1, 2, "auto")
+    assert "echo" not in repr(cfg.data), "echo is the trial's, not part of the data group"
 
 
 def test_yaml_is_read_with_a_safe_loader(tmp_path):

@@ -85,3 +85,21 @@ def test_a_checkpoint_of_the_last_epoch_trains_nothing():
     again = MemorySession(start=whole.states[-1])
     small_cnn.fit(_config(epochs=1), small_cnn.build, again)
     assert again.reports == []
+
+
+@pytest.mark.parametrize("echo", ["example:2", "batch:2"])
+def test_echoed_steps_follow_the_schedule_of_fresh_samples_and_end_it_exactly(echo):
+    plain, echoing = MemorySession(), MemorySession()
+    small_cnn.fit(_config(epochs=2), small_cnn.build, plain)
+    small_cnn.fit(_config(epochs=2, echo=echo), small_cnn.build, echoing)
+    per_epoch = plain.reports[0]["steps"]  # fresh batches per epoch: the schedule's unit
+    fresh = plain.reports[0]["fresh_samples"]
+    for k, (a, b) in enumerate(zip(plain.states, echoing.states)):
+        # Twice the optimiser steps, yet the schedule stands where the plain run's does after each epoch.
+        assert b["scheduler"]["last_epoch"] == a["scheduler"]["last_epoch"] == (k + 1) * per_epoch
+        assert b["optimizer"]["param_groups"][0]["lr"] == pytest.approx(a["optimizer"]["param_groups"][0]["lr"])
+    for r in echoing.reports:
+        assert r["fresh_samples"] == fresh and r["echoed_samples"] == fresh
+        assert r["steps"] >= 2 * per_epoch - 1 and r["samples"] == 2 * fresh
+    assert echoing.reports[-1]["fresh_samples_total"] == 2 * fresh
+    assert echoing.reports[-1]["echoed_samples_total"] == 2 * fresh

@@ -71,14 +71,22 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
 
     Config keys: ``data`` (a DataSpec), ``lr``, ``batch_size``, ``epochs``; optional ``momentum``
     (0.9), ``weight_decay`` (5e-4), ``torch_threads`` (1), ``eval_batch_size`` (256), ``model_seed`` (0),
-    ``memory`` (``none``, ``checkpoint`` or ``{budget: f}``: see :mod:`coordinated_prep.memory.modes`) and
-    ``gpu_memory_fraction`` (the CUDA allocator cap that ``gpu: auto`` sets).
+    ``memory`` (``none``, ``checkpoint`` or ``{budget: f}``: see :mod:`coordinated_prep.memory.modes`),
+    ``gpu_memory_fraction`` (the CUDA allocator cap that ``gpu: auto`` sets) and ``echo`` (data
+    echoing: ``1``, ``2``, ``"batch:2"``, ``"auto"``...: see :mod:`coordinated_prep.echo`).
     Reports ``epoch``, ``loss`` and ``accuracy`` on the held-out split, ``train_loss``,
     ``data_wait_s``, ``compute_s``, ``stall_fraction`` (share of the epoch spent waiting for data) and
     ``private_samples`` (samples the trial prepared itself so far), ``copied_fraction`` (share of its
     batches so far that straddled two pieces and were copied; the rest were views of shared
-    memory) and ``loader_cpu_ms_per_batch`` (CPU its loader spent per batch), with a checkpoint of
-    the model, optimizer, learning-rate schedule and epoch.
+    memory) and ``loader_cpu_ms_per_batch`` (CPU its loader spent per batch), ``fresh_samples`` and
+    ``echoed_samples`` (this epoch's fresh samples and repeats; ``..._total`` for all epochs) and
+    ``steps`` (this epoch's optimiser steps), with a checkpoint of the model, optimizer,
+    learning-rate schedule and epoch.
+
+    The learning-rate schedule (one cycle) runs over fresh samples: it moves one step per batch's
+    worth of fresh samples, so echoed steps train at the rate of the epoch's progress and neither
+    stretch nor overrun the schedule (whose length ``echo="auto"`` cannot know ahead). Without
+    echo this is one schedule step per batch, as usual.
 
     A trial that finds a checkpoint (Tune retried it, restored the sweep, or PBT copied another
     trial's state into it) resumes after the checkpoint's epoch: its loader declares only the epochs
@@ -105,16 +113,18 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
         logger.info("the checkpoint is of epoch %d of %d: nothing left to train", done, epochs)
         return
     loss_fn = nn.CrossEntropyLoss()
-    with train_loader(config, batch_size=int(config["batch_size"]), epochs=epochs - done) as loader:
+    batch_size = int(config["batch_size"])
+    with train_loader(config, batch_size=batch_size, epochs=epochs - done, echo=config.get("echo")) as loader:
+        per_epoch = loader.fresh_batches_per_epoch  # schedule steps per epoch: fresh batches, echoes aside
         scheduler = torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=float(config["lr"]), total_steps=epochs * len(loader), pct_start=0.25
+            optimizer, max_lr=float(config["lr"]), total_steps=epochs * per_epoch, pct_start=0.25
         )
         if state:
             _load(state, model, optimizer, scheduler, config)
         for epoch in range(done, epochs):
             model.train()
             wait = compute = train_loss = 0.0
-            seen = 0
+            seen = steps = 0
             batches = iter(loader)
             while True:
                 t0 = time.perf_counter()
@@ -124,19 +134,30 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
                 if batch is None:
                     break
                 loss = train_step(model, optimizer, loss_fn, batch.images, batch.labels, device)
-                scheduler.step()
+                _advance(scheduler, epoch * per_epoch + loader.epoch_counts.fresh // batch_size)
                 train_loss += loss * len(batch)
                 seen += len(batch)
+                steps += 1
                 compute += time.perf_counter() - t1
+            _advance(scheduler, (epoch + 1) * per_epoch)  # the epoch's last, partial batch of fresh samples
             eval_loss, accuracy = evaluate(model, config, device, loss_fn)
             metrics = {"epoch": epoch + 1, "loss": eval_loss, "accuracy": accuracy,
                        "train_loss": train_loss / max(seen, 1), "samples": seen,
                        "private_samples": loader.private_samples, "data_wait_s": wait, "compute_s": compute,
                        "stall_fraction": wait / max(wait + compute, 1e-9),
                        "copied_fraction": loader.stats.copied_fraction,
-                       "loader_cpu_ms_per_batch": loader.stats.cpu_ms_per_batch}
+                       "loader_cpu_ms_per_batch": loader.stats.cpu_ms_per_batch, "steps": steps,
+                       "fresh_samples": loader.epoch_counts.fresh, "echoed_samples": loader.epoch_counts.echoed,
+                       "fresh_samples_total": loader.echo_counts.fresh,
+                       "echoed_samples_total": loader.echo_counts.echoed}
             session.report(metrics, {"epoch": epoch + 1, "lr": float(config["lr"]), "model": model.state_dict(),
                                      "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
+
+
+def _advance(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> None:
+    """Step ``scheduler`` up to schedule step ``step`` (no further than its end)."""
+    while scheduler.last_epoch < min(step, scheduler.total_steps):  # type: ignore[attr-defined]
+        scheduler.step()
 
 
 def _load(state: Mapping[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,

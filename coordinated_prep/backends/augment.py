@@ -1,4 +1,4 @@
-"""Random augmentation parameters as a pure function of (seed, epoch, sample index)."""
+"""Random augmentation parameters as a pure function of (seed, epoch, sample index, view)."""
 
 from __future__ import annotations
 
@@ -22,15 +22,18 @@ class CropParams(NamedTuple):
 
 def crop_params(
     seed: int, epoch: int, index: int, height: int, width: int,
-    scale: tuple[float, float], ratio: tuple[float, float], hflip: float,
+    scale: tuple[float, float], ratio: tuple[float, float], hflip: float, view: int = 0,
 ) -> CropParams:
     """Draw a random resized crop and flip, the same for the same arguments in any process.
 
     The box follows torchvision's ``RandomResizedCrop.get_params`` (ten tries at a random area and
     log-uniform aspect ratio, then a centre crop clamped to ``ratio``); the randomness comes from a
-    NumPy generator seeded by ``(seed, epoch, index)`` instead of torch's global generator.
+    NumPy generator seeded by ``(seed, epoch, index)`` instead of torch's global generator. View
+    ``v`` > 0 of a sample (echoing before augmentation) draws from ``(seed, epoch, index, v)``, so
+    view 0 is the draw every group without views makes.
     """
-    rng = np.random.default_rng((_AUGMENT_STREAM, seed, epoch, index))
+    key = (_AUGMENT_STREAM, seed, epoch, index) if view == 0 else (_AUGMENT_STREAM, seed, epoch, index, view)
+    rng = np.random.default_rng(key)
     area = height * width
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
     draws = rng.random((10, 2))

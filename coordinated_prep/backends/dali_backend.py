@@ -72,6 +72,10 @@ class DaliPreprocessor:
         """Decode and randomly augment one training sample into uint8 (3, size, size)."""
         return self.train_batch([data], seed, epoch, [index])[0]
 
+    def train_views(self, data: bytes, seed: int, epoch: int, index: int, views: int) -> np.ndarray:
+        """Augment one sample ``views`` times into uint8 (views, 3, size, size) (DALI decodes each crop window)."""
+        return self.train_batch([data] * views, seed, epoch, [index] * views, list(range(views)))
+
     def eval(self, data: bytes) -> np.ndarray:
         """Decode, resize the shorter side and centre-crop one sample into uint8 (3, size, size)."""
         if self._eval is None:
@@ -87,8 +91,10 @@ class DaliPreprocessor:
             self._eval = None
             raise
 
-    def train_batch(self, datas: Sequence[bytes], seed: int, epoch: int, indices: Sequence[int]) -> np.ndarray:
-        """Decode and augment many samples at once into uint8 (n, 3, size, size), aligned with ``indices``."""
+    def train_batch(self, datas: Sequence[bytes], seed: int, epoch: int, indices: Sequence[int],
+                    views: Sequence[int] | None = None) -> np.ndarray:
+        """Decode and augment many samples at once into uint8 (n, 3, size, size), aligned with
+        ``indices`` (and ``views``: each row's view number, for echoing before augmentation)."""
         p = self.pipeline
         n = len(datas)
         if n == 0:
@@ -97,9 +103,9 @@ class DaliPreprocessor:
             self._train_batch = max(n, self._max_batch)
             self._train = self._build_train(self._train_batch)
         anchors, shapes, flips = [], [], []
-        for data, index in zip(datas, indices):
+        for data, index, view in zip(datas, indices, views if views is not None else [0] * n):
             width, height = _image_size(data)
-            box = crop_params(seed, epoch, int(index), height, width, p.scale, p.ratio, p.hflip)
+            box = crop_params(seed, epoch, int(index), height, width, p.scale, p.ratio, p.hflip, int(view))
             anchors.append(np.array([box.top, box.left], dtype=np.int32))
             shapes.append(np.array([box.height, box.width], dtype=np.int32))
             flips.append(np.array(int(box.flip), dtype=np.int32))

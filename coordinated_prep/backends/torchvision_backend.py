@@ -30,13 +30,18 @@ class TorchvisionPreprocessor:
 
     def train(self, data: bytes, seed: int, epoch: int, index: int) -> np.ndarray:
         """Decode and randomly augment one training sample into uint8 (3, size, size)."""
-        p = self.pipeline
+        return self._augment(_decode(data), seed, epoch, index, 0).numpy()
+
+    def train_views(self, data: bytes, seed: int, epoch: int, index: int, views: int) -> np.ndarray:
+        """Decode one sample once and augment it ``views`` times into uint8 (views, 3, size, size)."""
         image = _decode(data)
-        box = crop_params(seed, epoch, index, image.shape[1], image.shape[2], p.scale, p.ratio, p.hflip)
+        return torch.stack([self._augment(image, seed, epoch, index, v) for v in range(views)]).numpy()
+
+    def _augment(self, image: torch.Tensor, seed: int, epoch: int, index: int, view: int) -> torch.Tensor:
+        p = self.pipeline
+        box = crop_params(seed, epoch, index, image.shape[1], image.shape[2], p.scale, p.ratio, p.hflip, view)
         out = F.resized_crop(image, box.top, box.left, box.height, box.width, [p.size, p.size], antialias=True)
-        if box.flip:
-            out = out.flip(-1)
-        return out.numpy()
+        return out.flip(-1) if box.flip else out
 
     def eval(self, data: bytes) -> np.ndarray:
         """Decode, resize the shorter side and centre-crop one sample into uint8 (3, size, size)."""

@@ -15,6 +15,7 @@ Schema (every key but ``trainable`` and ``search_space`` is optional)::
       batch_size: {choice: [32, 64]}
       width: {grid: [8, 16]}
       memory: {choice: [none, checkpoint, {budget: 0.3}]}   # or a constant: none, checkpoint, {budget: 0.3}
+      echo: {choice: [1, 2, batch:2, auto]}   # data echoing per trial (coordinated_prep.echo); not part of the group
       epochs: 3
     num_samples: 8
     max_concurrent_trials: 4         # 0 = as many as resources allow
@@ -52,6 +53,7 @@ from typing import Any, Callable, Literal, Mapping
 
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import ConfigError
+from coordinated_prep.echo import EchoSpec
 from coordinated_prep.memory.packing import GpuAuto
 from coordinated_prep.memory.spec import parse_memory
 from coordinated_prep.pool.spec import PoolSpec
@@ -222,6 +224,8 @@ def _check_trainable_keys(space: Mapping[str, Any], trainable: str, scheduler: S
         _check_trainable_values(f"search_space.{key}", key, space[key], trainable)
     if "memory" in space:
         _check_memory("search_space.memory", space["memory"])
+    if "echo" in space:
+        _check_echo("search_space.echo", space["echo"])
     moves: Mapping[str, Any] = {}
     if isinstance(scheduler, PBTSpec):
         moves = {f"hyperparam_mutations.{k}": (k, v) for k, v in scheduler.hyperparam_mutations.items()}
@@ -233,6 +237,17 @@ def _check_trainable_keys(space: Mapping[str, Any], trainable: str, scheduler: S
             _check_trainable_values(f"scheduler.{where}", key, value, trainable)
         elif key == "memory":
             _check_memory(f"scheduler.{where}", value)
+        elif key == "echo":
+            _check_echo(f"scheduler.{where}", value)
+
+
+def _check_echo(where: str, value: Any) -> None:
+    """``echo`` is a constant or a choice or grid of echo settings (1, 2, batch:2, auto...)."""
+    if isinstance(value, Dimension) and value.kind not in ("choice", "grid"):
+        raise ConfigError(f"{where}: a {value.kind} distribution cannot pick echo settings; "
+                          "use a constant or {choice: [1, 2, auto]}")
+    for i, v in enumerate(value.args if isinstance(value, Dimension) else [value]):
+        EchoSpec.parse(v, f"{where}.{value.kind}[{i}]" if isinstance(value, Dimension) else where)
 
 
 def _check_memory(where: str, value: Any) -> None:

@@ -194,6 +194,16 @@ def _saved_statuses(path: str) -> dict[str, str]:
         return {}
 
 
+def _echo_name(value: Any) -> str:
+    """The trial's echo setting by its short name (``off``, ``example:2``, ``auto:4``)."""
+    from coordinated_prep.echo import EchoSpec
+
+    try:
+        return EchoSpec.parse(value).name
+    except ConfigError:
+        return str(value)
+
+
 def _trial_row(result: Any, metric: str) -> dict[str, Any]:
     m = result.metrics or {}
     config = {k: v for k, v in (result.config or {}).items() if k != "data" and not k.startswith("__")}
@@ -204,5 +214,7 @@ def _trial_row(result: Any, metric: str) -> dict[str, Any]:
         "epochs": m.get("epoch"), metric: m.get(metric), "stall_fraction": m.get("stall_fraction"),
         "data_wait_s": m.get("data_wait_s"), "compute_s": m.get("compute_s"),
         "private_samples": m.get("private_samples"),
+        "fresh_samples": m.get("fresh_samples_total"), "echoed_samples": m.get("echoed_samples_total"),
+        "echo": _echo_name(config.get("echo")),
         "batch_size": config.get("batch_size"), "config": config,
     }

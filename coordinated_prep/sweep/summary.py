@@ -44,10 +44,14 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     else:
         lines.append(f"Best trial: none reported {metric}")
     lines.append("")
+    echoing = any(t.get("echoed_samples") for t in summary["trials"])
     lines.append(format_table(
-        ["trial", "status", "epochs", metric, "stall", "batch", "own prep"],
+        ["trial", "status", "epochs", metric, "stall", "batch", "own prep"]
+        + (["echo", "fresh", "echoed"] if echoing else []),
         [[t["trial"], t["status"], t.get("epochs", ""), _num(t.get(metric)), _num(t.get("stall_fraction")),
-          t.get("batch_size", ""), t.get("private_samples", "-")] for t in summary["trials"]],
+          t.get("batch_size", ""), t.get("private_samples", "-")]
+         + ([t.get("echo", "off"), t.get("fresh_samples", "-"), t.get("echoed_samples", "-")] if echoing else [])
+         for t in summary["trials"]],
     ))
     lines.append("")
     rows = []

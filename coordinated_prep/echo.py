@@ -1,0 +1,284 @@
+"""Data echoing: a trial repeats data it already has instead of waiting for fresh data.
+
+Data echoing (Choi, Passos, Shallue, Dahl, "Faster Neural Network Training with Data Echoing",
+arXiv 1907.05550) reuses the output of an earlier pipeline stage while the stages before the
+accelerator are the bottleneck. Here it is a per-trial stage after the shared stream, so trials that
+echo differently still share one data group, and echo can be searched like a learning rate:
+
+``example:e`` (after augmentation)
+    Every fresh sample is delivered ``e`` times per epoch through a bounded shuffle buffer of
+    ``buffer`` distinct samples; a batch never holds two copies of one sample while the buffer
+    holds a batch's worth of distinct samples (only the epoch's last batches may).
+``batch:e``
+    Every fresh batch is delivered ``e`` times, interleaved with the other batches in the buffer
+    (``buffer // batch_size`` batches) so that a repeat does not follow its original directly.
+``auto:c`` (adaptive; cap ``c``, default 4)
+    A fresh batch whenever one is at hand; while none is, a batch of repeats drawn at random from
+    the last ``buffer`` fresh samples (4 batches' worth), none delivered more than ``c`` times. So a trial whose data is
+    ready never echoes, and a trial with a batch's worth of samples under the cap never waits.
+``DataSpec.views`` (before augmentation)
+    A data-group option, not a trial's: the prep actors decode each sample once and augment it
+    ``views`` times (:func:`coordinated_prep.chunk.prepare_chunk`).
+
+Epochs stay exact: an epoch is one pass over the fresh samples, each exactly once as without echo
+(``Batch.repeats == 0``); repeats are extra steps inside the epoch, and the buffer is emptied at
+its end, so no sample is repeated more than ``e - 1`` times in it (``views x e - 1`` with views).
+
+Ownership: the echo buffer holds references into fresh batches (views of pieces in the object
+store), so up to ``ceil(buffer / piece) + 1`` pieces stay mapped in the trial after the staging
+buffer has released them; an echoed batch is gathered into memory the trial owns. Everything here
+is a pure function of the fresh batches, their readiness and a seeded generator: it is tested
+without Ray.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Mapping
+
+import numpy as np
+
+from coordinated_prep.errors import ConfigError
+
+if TYPE_CHECKING:  # the setting is parsed where torch is not loaded (a sweep's YAML, the coordinator)
+    from coordinated_prep.batching import Batch, Batcher
+
+Mode = Literal["off", "example", "batch", "auto"]
+MODES: tuple[str, ...] = ("off", "example", "batch", "auto")
+MAX_FACTOR = 16  # echoing pays only up to a few repeats (Choi et al.); more is almost surely a typo
+DEFAULT_CAP = 4
+_FORMS = ("1 or 'off'; an integer e >= 2 (example echoing); 'example:e', 'batch:e'; 'auto' or 'auto:c' "
+          "(c: the cap, default 4); or a mapping {mode, factor, buffer}")
+_ECHO_STREAM = 0xEC40  # separates the echo buffer's draws from the plan's and the augmentation's
+
+
+@dataclass(frozen=True)
+class EchoSpec:
+    """How a trial echoes its data.
+
+    Args:
+        mode: ``off``, ``example``, ``batch`` or ``auto``.
+        factor: Deliveries of each fresh sample per epoch for ``example`` and ``batch`` (e); the
+            most for ``auto`` (its cap); 1 for ``off``.
+        buffer: Distinct fresh samples the echo buffer holds; None: 2 batches' worth (4 for ``auto``).
+    """
+
+    mode: Mode = "off"
+    factor: int = 1
+    buffer: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"echo mode {self.mode!r} is not one of {list(MODES)}")
+        if not isinstance(self.factor, int) or isinstance(self.factor, bool) or not 1 <= self.factor <= MAX_FACTOR:
+            raise ConfigError(f"echo factor={self.factor!r} must be an integer in [1, {MAX_FACTOR}]")
+        if self.mode == "off" and self.factor != 1:
+            raise ConfigError(f"echo mode 'off' takes factor 1, not {self.factor}")
+        if self.mode != "off" and self.factor < 2:
+            raise ConfigError(f"echo {self.mode}:{self.factor} repeats nothing: use a factor >= 2, or echo 'off'")
+        if self.buffer is not None and (not isinstance(self.buffer, int) or isinstance(self.buffer, bool)
+                                        or self.buffer < 1):
+            raise ConfigError(f"echo buffer={self.buffer!r} must be a positive number of samples")
+
+    @classmethod
+    def parse(cls, value: Any, where: str = "echo") -> "EchoSpec":
+        """An EchoSpec from a trial-config or YAML value (see the module docstring for the forms).
+
+        Raises:
+            ConfigError: Names ``where``, the value and the accepted forms.
+        """
+        if isinstance(value, EchoSpec):
+            return value
+        try:
+            if value is None or value is False:
+                return cls()
+            if isinstance(value, bool):  # True: no factor given
+                raise ConfigError("true has no factor")
+            if isinstance(value, int):
+                return cls() if value == 1 else cls("example", value)
+            if isinstance(value, float) and value.is_integer():
+                return cls.parse(int(value), where)
+            if isinstance(value, Mapping):
+                unknown = sorted(set(value) - {"mode", "factor", "buffer"})
+                if unknown:
+                    raise ConfigError(f"unknown key(s) {unknown}")
+                mode = value.get("mode", "example")
+                factor = value.get("factor", 1 if mode == "off" else DEFAULT_CAP if mode == "auto" else 2)
+                return cls(mode, factor, value.get("buffer"))
+            if isinstance(value, str):
+                text = value.strip().lower()
+                if text in ("off", "none", "1"):
+                    return cls()
+                if text.isdigit():
+                    return cls.parse(int(text), where)
+                match = re.fullmatch(r"(example|batch|auto)(?::(\d+))?", text)
+                if match:
+                    mode, factor = match.group(1), match.group(2)
+                    default = DEFAULT_CAP if mode == "auto" else 2
+                    return cls(mode, int(factor) if factor else default)  # type: ignore[arg-type]
+            raise ConfigError("not a form of echo")
+        except ConfigError as e:
+            raise ConfigError(f"{where}={value!r} is not a valid echo setting ({e}); use {_FORMS}") from None
+
+    @property
+    def name(self) -> str:
+        """Short name: ``off``, ``example:2``, ``batch:2``, ``auto:4``."""
+        return "off" if self.mode == "off" else f"{self.mode}:{self.factor}"
+
+    def buffer_for(self, batch_size: int) -> int:
+        """Distinct fresh samples held for a trial of ``batch_size``: 2 batches' worth by default, 4 for
+        ``auto`` (a piece arrives as several batches at once, and the wait for the next must be bridged)."""
+        if self.buffer is not None:
+            return self.buffer
+        return (4 if self.mode == "auto" else 2) * batch_size
+
+    def batches_per_epoch(self, samples: int, batch_size: int) -> int | None:
+        """Batches in an epoch of ``samples`` rows (fresh samples x views); None for ``auto`` (it varies)."""
+        if self.mode == "auto":
+            return None
+        if self.mode == "batch":
+            return self.factor * math.ceil(samples / batch_size)
+        return math.ceil(self.factor * samples / batch_size)
+
+
+@dataclass
+class EchoCounts:
+    """Samples a trial was handed: fresh (``repeats == 0``) and repeats (echoes and extra views)."""
+
+    fresh: int = 0
+    echoed: int = 0
+    batches: int = 0
+
+    def add(self, batch: Batch) -> None:
+        """Count ``batch``."""
+        fresh = int((batch.repeats == 0).sum())
+        self.fresh += fresh
+        self.echoed += len(batch) - fresh
+        self.batches += 1
+
+
+def echoed(fresh: Batcher, spec: EchoSpec, rng: np.random.Generator) -> Iterator[Batch]:
+    """The batches of one epoch: ``fresh``'s batches, with echoes per ``spec``.
+
+    Args:
+        fresh: The epoch's fresh batches (a :class:`~coordinated_prep.batching.Batcher` whose
+            ``ready`` says whether the next one is at hand).
+        spec: How to echo.
+        rng: The epoch's generator (seeded by the loader: a trial's epoch is reproducible).
+    """
+    buffer = spec.buffer_for(fresh.batch_size)
+    if spec.mode == "example":
+        return _example(fresh, spec.factor, buffer, rng)
+    if spec.mode == "batch":
+        return _batch(fresh, spec.factor, buffer, rng)
+    if spec.mode == "auto":
+        return _auto(fresh, spec.factor, buffer, rng)
+    return iter(fresh)
+
+
+def epoch_rng(seed: int, start: int, epoch: int) -> np.random.Generator:
+    """The echo buffer's generator for a trial's ``epoch`` (data seed, first piece of the trial)."""
+    return np.random.default_rng((_ECHO_STREAM, seed, start, epoch))
+
+
+# One entry of an echo buffer: (fresh batch, row, dataset index, the row's repeat number so far).
+_Entry = tuple["Batch", int, int, int]
+
+
+def _rows(batch: Batch) -> list[tuple[int, int, int]]:
+    """(row, dataset index, repeat number) of each row of a fresh batch."""
+    return list(zip(range(len(batch)), batch.indices.tolist(), batch.repeats.tolist()))
+
+
+def _example(fresh: Batcher, e: int, buffer: int, rng: np.random.Generator) -> Iterator[Batch]:
+    """Example echoing: each row delivered ``e`` times, mixed through a buffer of ``buffer`` distinct rows."""
+    size = fresh.batch_size
+    entries: list[_Entry] = []
+    spent = False
+    while True:
+        # Top up to e x buffer entries: at least `buffer` distinct samples while fresh ones remain.
+        while not spent and len(entries) < e * buffer:
+            batch = fresh.next()
+            if batch is None:
+                spent = True
+                break
+            entries += [(batch, row, index, base * e + k) for row, index, base in _rows(batch) for k in range(e)]
+        if not entries:
+            return
+        take = min(size, len(entries))
+        chosen: list[int] = []
+        clashing: list[int] = []
+        seen: set[int] = set()
+        for i in rng.permutation(len(entries)).tolist():
+            if entries[i][2] in seen:
+                clashing.append(i)
+                continue
+            seen.add(entries[i][2])
+            chosen.append(i)
+            if len(chosen) == take:
+                break
+        chosen += clashing[: take - len(chosen)]  # too few distinct samples left (an epoch's end)
+        picked = set(chosen)
+        yield gather([entries[i] for i in chosen])
+        entries = [x for i, x in enumerate(entries) if i not in picked]
+
+
+def _batch(fresh: Batcher, e: int, buffer: int, rng: np.random.Generator) -> Iterator[Batch]:
+    """Batch echoing: each fresh batch delivered ``e`` times, in rounds over ``buffer // size`` batches."""
+    width = max(1, buffer // fresh.batch_size)
+    while True:
+        group: list[Batch] = []
+        while len(group) < width and (batch := fresh.next()) is not None:
+            group.append(batch)
+        if not group:
+            return
+        last = -1
+        for k in range(e):
+            order = rng.permutation(len(group)).tolist()
+            if len(order) > 1 and order[0] == last:  # not the same batch twice in a row
+                order.append(order.pop(0))
+            for i in order:
+                yield dataclasses.replace(group[i], repeats=group[i].repeats * e + k)
+                last = i
+
+
+def _auto(fresh: Batcher, cap: int, buffer: int, rng: np.random.Generator) -> Iterator[Batch]:
+    """Adaptive echoing: fresh when at hand, else repeats of recent fresh rows, each at most ``cap`` times."""
+    size = fresh.batch_size
+    recent: collections.deque[list[Any]] = collections.deque(maxlen=buffer)  # [batch, row, index, base, used]
+    while True:
+        usable = [x for x in recent if x[4] < cap - 1]
+        if len(usable) >= size and not fresh.ready():
+            picks = [usable[i] for i in rng.choice(len(usable), size=size, replace=False).tolist()]
+            for x in picks:
+                x[4] += 1
+            yield gather([(x[0], x[1], x[2], x[3] * cap + x[4]) for x in picks])
+            continue
+        batch = fresh.next()
+        if batch is None:
+            return
+        rows = _rows(batch)
+        recent.extend([batch, row, index, base, 0] for row, index, base in rows)
+        yield dataclasses.replace(batch, repeats=batch.repeats * cap) if any(r[2] for r in rows) else batch
+
+
+def gather(entries: list[_Entry]) -> Batch:
+    """One batch of the given rows, copied into memory the trial owns (rows grouped by source batch)."""
+    import torch
+
+    from coordinated_prep.batching import Batch
+    by_batch: dict[int, tuple[Batch, list[int], list[int]]] = {}
+    for batch, row, _, repeat in entries:
+        _, rows, repeats = by_batch.setdefault(id(batch), (batch, [], []))
+        rows.append(row)
+        repeats.append(repeat)
+    parts = [(b, torch.tensor(rows, dtype=torch.int64), repeats) for b, rows, repeats in by_batch.values()]
+    return Batch(images=torch.cat([b.images.index_select(0, rows) for b, rows, _ in parts]),
+                 labels=torch.cat([b.labels.index_select(0, rows) for b, rows, _ in parts]),
+                 indices=torch.cat([b.indices.index_select(0, rows) for b, rows, _ in parts]),
+                 stream_epochs=torch.cat([b.stream_epochs.index_select(0, rows) for b, rows, _ in parts]),
+                 repeats=torch.tensor([r for _, _, repeats in parts for r in repeats], dtype=torch.int64))

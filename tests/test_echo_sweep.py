@@ -1,0 +1,114 @@
+"""Data echoing in real Tune sweeps: trials echoing differently share one group and keep exact epochs."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import ray
+from ray import tune
+
+from coordinated_prep import CoordinatedSearcher, DataSpec, train_loader
+from coordinated_prep.echo import EchoSpec
+from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled
+from tests.harness import assert_fresh_exactly_once, reference_digests, sample_digests, train_ids
+from tests.recording import Gate
+
+EPOCHS = 2
+
+
+def echo_trial(config: dict) -> None:
+    """Reads ``EPOCHS`` epochs with ``config["echo"]``; the ``late`` trial joins once ``opener`` is mid-epoch."""
+    trial = tune.get_context().get_trial_id()
+    config = {**config, **config["trial"]}  # role, echo and batch size, grid-searched together
+    gate = ray.get_actor("echo-mid-epoch", namespace="coordinated_prep")
+    if config["role"] == "late":
+        ray.get(gate.wait_open.remote(120), timeout=150)
+    loader = train_loader(config, batch_size=config["batch_size"], epochs=EPOCHS, echo=config["echo"])
+    for epoch in range(EPOCHS):
+        rows = []
+        for step, b in enumerate(loader):
+            rows.append((b.indices.numpy(), b.repeats.numpy(), b.stream_epochs.numpy(),
+                         sample_digests(b.images.numpy())))
+            if config["role"] == "opener" and epoch == 0 and step == 2:
+                ray.get(gate.open.remote(), timeout=60)
+        os.makedirs(os.path.join(config["out"], trial), exist_ok=True)
+        np.savez(os.path.join(config["out"], trial, f"epoch{epoch}.npz"),
+                 **{k: np.concatenate([r[i] for r in rows]) for i, k in
+                    enumerate(["indices", "repeats", "stream_epochs", "digests"])},
+                 start=loader.start_piece, echo=config["echo"], fresh=loader.epoch_counts.fresh,
+                 echoed=loader.epoch_counts.echoed, private_samples=loader.private_samples)
+        tune.report({"epoch": epoch + 1, "fresh_samples": loader.epoch_counts.fresh,
+                     "echoed_samples": loader.epoch_counts.echoed})
+
+
+@pytest.mark.parametrize("views", [1, 2])
+def test_trials_echoing_differently_share_one_group_and_keep_exact_epochs(ray_session, small_dataset, tmp_path,
+                                                                         views):
+    baseline = plasma_objects()
+    spec = DataSpec(dataset=small_dataset, pipeline={"size": 32}, seed=5, chunk_size=8, segments=4, lookahead=2,
+                    views=views)
+    gate = Gate.options(name="echo-mid-epoch", namespace="coordinated_prep").remote()
+    trials = [("opener", "off", 8), ("early", "example:2", 12), ("early", "batch:2", 8), ("early", "auto:3", 8),
+              ("late", "example:3", 8)]  # 12 straddles the pieces of 8; the late one joins mid-epoch
+    searcher = CoordinatedSearcher(max_concurrent=len(trials))
+    analysis = tune.run(tune.with_resources(echo_trial, {"cpu": 0.125}), search_alg=searcher, verbose=0,
+                        config={"data": spec, "out": str(tmp_path),
+                                "trial": tune.grid_search([{"role": r, "echo": e, "batch_size": b}
+                                                           for r, e, b in trials])})
+    reports = searcher.group_reports()
+    searcher.close()
+    ray.kill(gate)
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    [report] = reports.values()  # echo is not part of the group: one group, one stream
+    assert report["trials_joined"] == len(trials)
+    ids = train_ids(spec)
+    starts = {}
+    for trial in os.listdir(tmp_path):
+        path = os.path.join(tmp_path, trial)
+        if not os.path.isdir(path):
+            continue
+        epochs = [dict(np.load(os.path.join(path, f"epoch{k}.npz"))) for k in range(EPOCHS)]
+        echo = EchoSpec.parse(str(epochs[0]["echo"]))
+        assert_fresh_exactly_once(epochs, ids, views * echo.factor, f"{trial} ({echo.name})")
+        for e in epochs:
+            view = e["repeats"] // echo.factor  # repeat r of a row of view v is numbered v * factor + copy
+            want = reference_digests(spec, e["stream_epochs"], e["indices"], view)
+            assert np.array_equal(e["digests"], want), f"{trial}: bytes differ from the unshared pipeline's"
+            assert int(e["fresh"]) == len(ids) and int(e["private_samples"]) == 0
+            if echo.mode in ("example", "batch"):
+                assert int(e["echoed"]) == (views * echo.factor - 1) * len(ids)
+        starts[echo.name] = int(epochs[0]["start"])
+    assert starts["example:3"] > 0, "the late trial joined mid-epoch"
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
+
+
+def test_the_echo_experiment_runs_a_tiny_configuration_end_to_end(ray_session, tmp_path):
+    from coordinated_prep.bench.echo import format_echo, load_echo, run_echo
+
+    path = tmp_path / "echo.yaml"
+    path.write_text(f"""
+sweep:
+  name: tiny-echo
+  storage_path: {tmp_path}/runs
+  trainable: small_cnn
+  data: {{dataset: builtin:shapes, pipeline: {{size: 16}}, seed: 1}}
+  search_space: {{lr: 0.05, batch_size: 32, width: 4, epochs: 1, model_seed: {{grid: [0, 1]}}}}
+  num_samples: 1
+  resources_per_trial: {{cpu: 0.25}}
+variants:
+  - {{name: "off", echo: 1}}
+  - {{name: twice, echo: "example:2"}}
+  - {{name: views, echo: 1, views: 2}}
+""")
+    result = run_echo(load_echo(str(path)), str(tmp_path / "out"))
+    rows = {r["variant"]: r for r in result["variants"]}
+    assert set(rows) == {"off", "twice", "views"} and set(result["targets"]) == {"0", "1"}
+    assert rows["off"]["reached"] == 2 and rows["off"]["echoed_samples"] == 0
+    fresh = rows["off"]["fresh_samples"]
+    assert rows["twice"]["fresh_samples"] == fresh == rows["views"]["fresh_samples"]
+    assert rows["twice"]["echoed_samples"] == fresh and rows["views"]["echoed_samples"] == fresh
+    for name in ("echo.csv", "echo.json", "echo.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 0
+    assert "time to target s" in format_echo(result)
