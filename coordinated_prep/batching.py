@@ -34,16 +34,21 @@ class Batch:
         indices: ``torch.int64`` dataset index of each sample.
         stream_epochs: ``torch.int64`` stream epoch whose augmentation draw produced each sample
             (equal to the trial's epoch for a trial that started at piece 0, or unshared).
-        repeats: ``torch.int64`` how many times this trial saw the sample before in this epoch: 0
-            for a fresh sample, ``r`` for its ``r``-th repeat (a view made before augmentation, or
-            an echo: :mod:`coordinated_prep.echo`).
+        repeats: ``torch.int64``: 0 for a sample's first delivery in the trial's epoch (fresh); a
+            repeat (an extra view made before augmentation, or an echo:
+            :mod:`coordinated_prep.echo`) gets a positive label unique per sample in the epoch,
+            ``view x e + copy``. None when building a Batch by hand: all fresh.
     """
 
     images: torch.Tensor
     labels: torch.Tensor
     indices: torch.Tensor
     stream_epochs: torch.Tensor
-    repeats: torch.Tensor
+    repeats: torch.Tensor = None  # type: ignore[assignment]  # set to zeros in __post_init__ when None
+
+    def __post_init__(self) -> None:
+        if self.repeats is None:
+            object.__setattr__(self, "repeats", torch.zeros_like(self.labels, dtype=torch.int64))
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])

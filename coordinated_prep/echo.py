@@ -6,12 +6,13 @@ accelerator are the bottleneck. Here it is a per-trial stage after the shared st
 echo differently still share one data group, and echo can be searched like a learning rate:
 
 ``example:e`` (after augmentation)
-    Every fresh sample is delivered ``e`` times per epoch through a bounded shuffle buffer of
-    ``buffer`` distinct samples; a batch never holds two copies of one sample while the buffer
-    holds a batch's worth of distinct samples (only the epoch's last batches may).
+    Every fresh sample is delivered ``e`` times per epoch, shuffled within windows of ``buffer``
+    fresh samples (``e`` rounds, each a new permutation of the window); a batch never holds two
+    copies of one sample while a window holds two batches' worth of distinct samples.
 ``batch:e``
     Every fresh batch is delivered ``e`` times, interleaved with the other batches in the buffer
-    (``buffer // batch_size`` batches) so that a repeat does not follow its original directly.
+    (``buffer // batch_size`` batches) so that a repeat does not follow its original directly
+    (while the buffer holds two batches).
 ``auto:c`` (adaptive; cap ``c``, default 4)
     A fresh batch whenever one is at hand; while none is, a batch of repeats drawn at random from
     the last ``buffer`` fresh samples (4 batches' worth), none delivered more than ``c`` times. So a trial whose data is
@@ -21,12 +22,15 @@ echo differently still share one data group, and echo can be searched like a lea
     ``views`` times (:func:`coordinated_prep.chunk.prepare_chunk`).
 
 Epochs stay exact: an epoch is one pass over the fresh samples, each exactly once as without echo
-(``Batch.repeats == 0``); repeats are extra steps inside the epoch, and the buffer is emptied at
-its end, so no sample is repeated more than ``e - 1`` times in it (``views x e - 1`` with views).
+(``Batch.repeats == 0`` marks a sample's first delivery in the epoch); repeats are extra steps
+inside the epoch, each with its own positive ``repeats`` label (view x e + copy), and the buffer is
+emptied at the epoch's end, so no sample comes more than ``e`` times in it (``views x e``).
 
 Ownership: the echo buffer holds references into fresh batches (views of pieces in the object
-store), so up to ``ceil(buffer / piece) + 1`` pieces stay mapped in the trial after the staging
-buffer has released them; an echoed batch is gathered into memory the trial owns. Everything here
+store): ``buffer`` rows plus a batch being cut for ``example``, ``buffer // batch_size + 2``
+batches for ``batch``, the last ``buffer`` rows for ``auto``. The pieces they lie in stay mapped
+in the trial after the staging buffer has released them (at most ``ceil(buffer / piece) + 2``);
+an echoed batch is gathered into memory the trial owns. Everything here
 is a pure function of the fresh batches, their readiness and a seeded generator: it is tested
 without Ray.
 """
@@ -64,7 +68,7 @@ class EchoSpec:
         mode: ``off``, ``example``, ``batch`` or ``auto``.
         factor: Deliveries of each fresh sample per epoch for ``example`` and ``batch`` (e); the
             most for ``auto`` (its cap); 1 for ``off``.
-        buffer: Distinct fresh samples the echo buffer holds; None: 2 batches' worth (4 for ``auto``).
+        buffer: Fresh samples the echo buffer holds; None: 4 batches' worth (2 for ``batch``).
     """
 
     mode: Mode = "off"
@@ -79,7 +83,8 @@ class EchoSpec:
         if self.mode == "off" and self.factor != 1:
             raise ConfigError(f"echo mode 'off' takes factor 1, not {self.factor}")
         if self.mode != "off" and self.factor < 2:
-            raise ConfigError(f"echo {self.mode}:{self.factor} repeats nothing: use a factor >= 2, or echo 'off'")
+            what = "a cap" if self.mode == "auto" else "a factor"
+            raise ConfigError(f"echo {self.mode}:{self.factor} repeats nothing: use {what} >= 2, or echo 'off'")
         if self.buffer is not None and (not isinstance(self.buffer, int) or isinstance(self.buffer, bool)
                                         or self.buffer < 1):
             raise ConfigError(f"echo buffer={self.buffer!r} must be a positive number of samples")
@@ -130,11 +135,12 @@ class EchoSpec:
         return "off" if self.mode == "off" else f"{self.mode}:{self.factor}"
 
     def buffer_for(self, batch_size: int) -> int:
-        """Distinct fresh samples held for a trial of ``batch_size``: 2 batches' worth by default, 4 for
-        ``auto`` (a piece arrives as several batches at once, and the wait for the next must be bridged)."""
+        """Fresh samples held for a trial of ``batch_size``: 4 batches' worth by default (``example``:
+        a round's head then has 3 batches to draw from besides the tail it avoids; ``auto``: a piece
+        arrives as several batches at once, and the wait for the next must be bridged), 2 for ``batch``."""
         if self.buffer is not None:
             return self.buffer
-        return (4 if self.mode == "auto" else 2) * batch_size
+        return (2 if self.mode == "batch" else 4) * batch_size
 
     def batches_per_epoch(self, samples: int, batch_size: int) -> int | None:
         """Batches in an epoch of ``samples`` rows (fresh samples x views); None for ``auto`` (it varies)."""
@@ -181,7 +187,11 @@ def echoed(fresh: Batcher, spec: EchoSpec, rng: np.random.Generator) -> Iterator
 
 
 def epoch_rng(seed: int, start: int, epoch: int) -> np.random.Generator:
-    """The echo buffer's generator for a trial's ``epoch`` (data seed, first piece of the trial)."""
+    """The echo buffer's generator for a loader's ``epoch`` (data seed, first piece of the trial).
+
+    ``epoch`` counts the loader's epochs: a trial resumed from a checkpoint starts a new loader at
+    a new piece, so its echo order differs from the uninterrupted run's (its fresh samples do not).
+    """
     return np.random.default_rng((_ECHO_STREAM, seed, start, epoch))
 
 
@@ -195,45 +205,50 @@ def _rows(batch: Batch) -> list[tuple[int, int, int]]:
 
 
 def _example(fresh: Batcher, e: int, buffer: int, rng: np.random.Generator) -> Iterator[Batch]:
-    """Example echoing: each row delivered ``e`` times, mixed through a buffer of ``buffer`` distinct rows."""
+    """Example echoing: each row delivered ``e`` times, mixed within windows of ``buffer`` fresh rows.
+
+    A window's rows go out in ``e`` rounds, each a fresh permutation of the window, and batches are
+    cut from the rounds in order; the head of each round avoids the samples at the tail of the one
+    before, so no batch holds one sample twice while a window holds two batches' worth of distinct
+    samples. A window's fresh batches are dropped once its rounds have gone out: the buffer holds
+    at most ``buffer`` rows (plus a batch being cut).
+    """
     size = fresh.batch_size
-    entries: list[_Entry] = []
-    spent = False
+    pending: list[_Entry] = []  # entries to deliver, in order
     while True:
-        # Top up to e x buffer entries: at least `buffer` distinct samples while fresh ones remain.
-        while not spent and len(entries) < e * buffer:
-            batch = fresh.next()
-            if batch is None:
-                spent = True
-                break
-            entries += [(batch, row, index, base * e + k) for row, index, base in _rows(batch) for k in range(e)]
-        if not entries:
+        window: list[_Entry] = []
+        while len(window) < buffer and (batch := fresh.next()) is not None:
+            window += [(batch, row, index, base) for row, index, base in _rows(batch)]
+        for k in range(e):
+            order = rng.permutation(len(window)).tolist()
+            recent = {entry[2] for entry in pending[-size:]}
+            if recent:  # keep the round's head clear of the samples just delivered
+                head = [i for i in order if window[i][2] not in recent][:size]
+                taken = set(head)
+                order = head + [i for i in order if i not in taken]
+            pending += [(window[i][0], window[i][1], window[i][2], window[i][3] * e + k) for i in order]
+        while len(pending) >= size or (pending and not window):
+            yield gather(pending[:size])
+            pending = pending[size:]
+        if not window:
             return
-        take = min(size, len(entries))
-        chosen: list[int] = []
-        clashing: list[int] = []
-        seen: set[int] = set()
-        for i in rng.permutation(len(entries)).tolist():
-            if entries[i][2] in seen:
-                clashing.append(i)
-                continue
-            seen.add(entries[i][2])
-            chosen.append(i)
-            if len(chosen) == take:
-                break
-        chosen += clashing[: take - len(chosen)]  # too few distinct samples left (an epoch's end)
-        picked = set(chosen)
-        yield gather([entries[i] for i in chosen])
-        entries = [x for i, x in enumerate(entries) if i not in picked]
 
 
 def _batch(fresh: Batcher, e: int, buffer: int, rng: np.random.Generator) -> Iterator[Batch]:
-    """Batch echoing: each fresh batch delivered ``e`` times, in rounds over ``buffer // size`` batches."""
+    """Batch echoing: each fresh batch delivered ``e`` times, in rounds over ``buffer // size`` batches.
+
+    A lone batch left at the epoch's end joins the group before it, so that no batch is delivered
+    twice in a row while the buffer holds two batches (``buffer >= 2 x batch_size``).
+    """
     width = max(1, buffer // fresh.batch_size)
+    ahead: list[Batch] = []
     while True:
-        group: list[Batch] = []
-        while len(group) < width and (batch := fresh.next()) is not None:
-            group.append(batch)
+        while len(ahead) < width + 2 and (batch := fresh.next()) is not None:
+            ahead.append(batch)  # two past the group: is the epoch's last batch alone after it?
+        if len(ahead) == width + 1:  # one batch left past the group, and the epoch is spent: it joins
+            group, ahead = ahead, []
+        else:
+            group, ahead = ahead[:width], ahead[width:]
         if not group:
             return
         last = -1

@@ -95,6 +95,9 @@ class TrainLoader:
         """Batches an epoch would hold without echo or views: the unit of a learning-rate schedule."""
         return math.ceil(self.samples_per_epoch / self.batch_size)
 
+    def __bool__(self) -> bool:  # ``if loader:`` must not call __len__ (which raises for echo="auto")
+        return True
+
     def __len__(self) -> int:
         """Batches per epoch, echoes included.
 
@@ -203,6 +206,9 @@ def train_loader(
     if epochs is not None and (not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1):
         raise ConfigError(f"train_loader: epochs={epochs!r} must be a positive integer or None")
     spec = resolve_spec(config, key)
+    if echo is None and isinstance(config, Mapping) and config.get("echo") not in (None, 1, "off"):
+        warnings.warn(f"train_loader: the trial config has echo={config['echo']!r}, but echo= was not passed, so "
+                      "this loader does not echo; pass train_loader(..., echo=config['echo'])", stacklevel=2)
     echo_spec = EchoSpec.parse(echo, "train_loader(echo=...)")
     trial = _current_trial_id(required=False)
     options = {"echo": echo_spec, "views": spec.views, "seed": spec.seed}

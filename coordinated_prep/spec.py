@@ -116,7 +116,8 @@ class DataSpec:
             the trials that read it, naming the file and index; ``skip`` leaves it out for every
             trial of the group alike, logged once with its path and counted in the summary.
         views: Augmented views of each sample per epoch (echoing before augmentation): a prep actor
-            reads and decodes a sample once and augments it ``views`` times, each view's crop drawn
+            reads and decodes a sample once (the DALI backend decodes each view's crop window) and
+            augments it ``views`` times, each view's crop drawn
             from (seed, epoch, sample, view); view 0 is the draw of ``views=1``. A trial's epoch
             then holds every sample ``views`` times, and the staged bytes grow with it. Part of the
             group key, unlike a trial's ``echo`` (:mod:`coordinated_prep.echo`).

@@ -91,7 +91,7 @@ class PrivateStream:
             self._plan.chunk_samples(g), self._spec.pipeline.size, self._spec.on_error,  # type: ignore[union-attr]
             self._spec.views,
         )
-        self.private_samples += len(chunk.labels)
+        self.private_samples += len(chunk.labels) // chunk.views  # samples, not their views
         return chunk
 
     def close(self) -> None:
@@ -174,6 +174,8 @@ class SharedStream:
         refs = [ref for _, ref in list(self._pending)[: max(1, k)]]
         if not refs:
             return True  # nothing left to read: next_piece fails at once, no waiting either
+        if len(refs) < k and (self._end is None or self._next < self._end):
+            return False  # more pieces than are requested (prefetch below a batch): not all at hand
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
         return len(done) == len(refs)
 

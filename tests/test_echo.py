@@ -101,21 +101,45 @@ def test_every_variant_keeps_fresh_samples_exactly_once_and_repeats_bounded(vari
 
 
 def test_example_echo_keeps_a_repeat_out_of_its_originals_batch_while_the_buffer_allows():
-    spec = EchoSpec("example", 3)  # buffer: 2 batches of distinct samples
+    spec = EchoSpec("example", 3)  # buffer: 4 batches of fresh samples
     batches, _, n = _epoch([64] * 8, 16, spec)
     tail = spec.factor * spec.buffer_for(16) // 16  # the last batches may have too few distinct samples
     for k, b in enumerate(batches[:-tail]):
         ids = b.indices.numpy()
         assert np.unique(ids).size == ids.size, f"batch {k} holds a sample twice"
-    mixed = sum(len(np.unique(b.repeats.numpy())) > 1 for b in batches)
-    assert mixed > len(batches) // 2, "the shuffle buffer mixes fresh samples and repeats"
+    sets = [frozenset(b.indices.tolist()) for b in batches]
+    assert len(set(sets)) == len(sets), "each round is a new permutation: no batch's samples come together again"
 
 
-def test_batch_echo_does_not_repeat_a_batch_right_after_itself():
-    batches, _, _ = _epoch([64] * 4, 16, EchoSpec("batch", 2))
+@pytest.mark.parametrize("fresh_batches", [4, 5, 7])  # 5 and 7: a lone batch is left for the last group
+def test_batch_echo_does_not_repeat_a_batch_right_after_itself(fresh_batches):
+    batches, _, _ = _epoch([16] * fresh_batches, 16, EchoSpec("batch", 3))
     keys = [tuple(b.indices.tolist()) for b in batches]
     assert all(a != b for a, b in zip(keys, keys[1:]))
-    assert len(set(keys)) == len(keys) // 2
+    assert len(set(keys)) == fresh_batches and len(keys) == 3 * fresh_batches
+
+
+def test_a_batch_built_by_hand_is_all_fresh_and_a_piece_with_views_pickles_whole():
+    import pickle
+
+    import torch
+
+    from coordinated_prep.batching import Batch
+
+    batch = Batch(torch.zeros(2, 3, 2, 2, dtype=torch.uint8), torch.tensor([1, 2]), torch.tensor([5, 6]),
+                  torch.tensor([0, 0]))
+    assert batch.repeats.tolist() == [0, 0]
+    from coordinated_prep.chunk import prepare_chunk
+    from coordinated_prep.backends import make_preprocessor
+    from coordinated_prep.readonly import padded_base
+    from coordinated_prep.sources import open_source
+    from coordinated_prep.spec import PipelineSpec
+
+    chunk, _ = prepare_chunk(open_source("builtin:shapes"), make_preprocessor(PipelineSpec(size=16)), 0, 0,
+                             np.arange(4), 16, views=3)
+    again = pickle.loads(pickle.dumps(chunk))
+    assert again.views == 3 and np.array_equal(again.images, chunk.images)
+    assert padded_base(again.images) is not None, "the padded buffer travels whole, views and all"
 
 
 # ---- auto: echoes exactly when the next fresh batch is not at hand -------------------------------------------
@@ -273,8 +297,9 @@ def test_the_echo_report_measures_time_to_echo_offs_final_accuracy_per_seed():
 def test_echo_experiment_files_are_validated_with_the_key_named(tmp_path):
     from coordinated_prep.bench.echo import load_echo
 
-    good = "sweep: {trainable: small_cnn, search_space: {lr: 0.1, batch_size: 8, epochs: 1}}\n"
+    good = "sweep: {trainable: small_cnn, search_space: {lr: 0.1, batch_size: 8, epochs: 1, model_seed: 0}}\n"
     for text, named in [
+        (good.replace(", model_seed: 0", "") + "variants: [{name: 'off'}]\n", "model_seed is missing"),
         (good + "variants: [{name: auto, echo: auto}]\n", "must be distinct and include 'off'"),
         (good + "variants: [{name: 'off'}, {name: x, echo: twice}]\n", r"variants\[1\].echo='twice'"),
         (good + "variants: [{name: 'off'}, {name: v, views: 0}]\n", "variant 'v': data.views=0"),
@@ -284,3 +309,12 @@ def test_echo_experiment_files_are_validated_with_the_key_named(tmp_path):
         path.write_text(text)
         with pytest.raises(ConfigError, match=named):
             load_echo(str(path))
+
+
+def test_coordprep_echo_dry_run_validates_the_shipped_file(capsys):
+    from coordinated_prep.cli import main
+
+    assert main(["echo", "experiments/echo.yaml", "--dry-run"]) == 0
+    assert "5 variants: off, example-2, batch-2, views-2, auto" in capsys.readouterr().out
+    assert main(["echo", "experiments/echo.yaml", "--dry-run", "--variants", "nope"]) == 2
+    assert "--variants names ['nope']" in capsys.readouterr().err

@@ -112,3 +112,33 @@ variants:
     for name in ("echo.csv", "echo.json", "echo.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0
     assert "time to target s" in format_echo(result)
+
+
+def ready_consumer(config: dict) -> None:
+    """Reads with echo="auto", but before each batch waits (bounded) until the next piece is at hand."""
+    loader = train_loader(config, batch_size=8, epochs=1, echo="auto")
+    stream = loader._stream  # the trial's SharedStream: its requests in flight
+    batches = iter(loader)
+    ready_before = 0
+    while True:
+        stream._request_ahead()
+        if stream._pending:  # the coordinator answers once the piece is prepared
+            done, _ = ray.wait([stream._pending[0][1]], timeout=60)
+            ready_before += stream.ready(1)
+        if next(batches, None) is None:
+            break
+    tune.report({"fresh": loader.epoch_counts.fresh, "echoed": loader.epoch_counts.echoed,
+                 "ready_before": ready_before, "samples": loader.samples_per_epoch})
+
+
+def test_auto_never_echoes_when_the_shared_stream_is_always_ready(ray_session, small_dataset):
+    spec = DataSpec(dataset=small_dataset, pipeline={"size": 32}, seed=6, chunk_size=8, segments=4)
+    searcher = CoordinatedSearcher()
+    analysis = tune.run(tune.with_resources(ready_consumer, {"cpu": 0.25}), search_alg=searcher, verbose=0,
+                        config={"data": spec})
+    searcher.close()
+    [trial] = analysis.trials
+    assert trial.status == "TERMINATED", trial.error_file
+    result = trial.last_result
+    assert result["fresh"] == result["samples"] and result["echoed"] == 0, result
+    assert result["ready_before"] >= result["samples"] // 8 - 1, "SharedStream.ready saw the answers at hand"

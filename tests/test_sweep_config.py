@@ -95,6 +95,11 @@ def test_echo_is_searched_like_any_hyperparameter(tmp_path):
     cfg = load_sweep(_write(tmp_path, GOOD.replace("  epochs: 2\n", "  epochs: 2\n  echo: {choice: [1, 2, auto]}\n")))
     assert cfg.search_space["echo"].args == (1, 2, "auto")
     assert "echo" not in repr(cfg.data), "echo is the trial's, not part of the data group"
+    mapping = "  epochs: 2\n  echo: {mode: batch, factor: 2, buffer: 64}\n"
+    cfg = load_sweep(_write(tmp_path, GOOD.replace("  epochs: 2\n", mapping)))
+    assert cfg.search_space["echo"] == {"mode": "batch", "factor": 2, "buffer": 64}
+    with pytest.raises(ConfigError, match=r"search_space.echo=.*not a valid echo setting"):
+        load_sweep(_write(tmp_path, GOOD.replace("  epochs: 2\n", "  epochs: 2\n  echo: {mode: loud}\n")))
 
 
 def test_yaml_is_read_with_a_safe_loader(tmp_path):

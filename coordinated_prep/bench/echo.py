@@ -83,6 +83,10 @@ def load_echo(path: str) -> EchoExperiment:
     names = [v.name for v in variants]
     if BASELINE not in names or len(set(names)) != len(names):
         raise ConfigError(f"{path}: variant names {names} must be distinct and include {BASELINE!r} (the baseline)")
+    space = raw["sweep"].get("search_space") if isinstance(raw["sweep"], Mapping) else None
+    if not isinstance(space, Mapping) or "model_seed" not in space:
+        raise ConfigError(f"{path}: sweep.search_space.model_seed is missing: the variants are compared seed by "
+                          "seed; add e.g. model_seed: {grid: [0, 1, 2]}")
     experiment = EchoExperiment(path, raw["sweep"], tuple(variants))
     for v in variants:
         experiment.config(v)

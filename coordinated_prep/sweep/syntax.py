@@ -10,6 +10,8 @@ from coordinated_prep.errors import ConfigError
 DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint")
 #: Single keys that make a mapping a constant, not a distribution: ``memory: {budget: 0.3}``.
 CONSTANT_MAPPINGS = ("budget",)
+#: Keys of a constant mapping of several keys: an echo setting ({mode: batch, factor: 2, buffer: 128}).
+ECHO_KEYS = ("mode", "factor", "buffer")
 
 
 @dataclass(frozen=True)
@@ -38,13 +40,15 @@ def parse_dimension(where: str, value: Any) -> Any:
     """
     if isinstance(value, Mapping) and len(value) == 1 and next(iter(value)) in CONSTANT_MAPPINGS:
         return dict(value)
+    if isinstance(value, Mapping) and "mode" in value and set(value) <= set(ECHO_KEYS):
+        return dict(value)  # an echo setting, checked where the key is (sweep.config)
     if not isinstance(value, Mapping):
         if isinstance(value, (int, float, str, bool, list)) or value is None:
             return value  # a constant
         raise ConfigError(f"{where}={value!r} must be a constant or a mapping {{distribution: arguments}}")
     if len(value) != 1 or next(iter(value)) not in DISTRIBUTIONS:
         raise ConfigError(f"{where}: {dict(value)!r} must have exactly one key out of {list(DISTRIBUTIONS)} "
-                          f"(a distribution), or be a constant {{budget: f}}")
+                          f"(a distribution), or be a constant {{budget: f}} or {{mode: m, factor: e}}")
     kind, args = next(iter(value.items()))
     if not isinstance(args, list) or not args:
         raise ConfigError(f"{where}.{kind} must be a non-empty list")
