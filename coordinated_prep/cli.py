@@ -1,4 +1,4 @@
-"""``coordprep``: ``sweep|analyze|memory|bench|echo <experiment.yaml>``, ``convert`` and ``clean``."""
+"""``coordprep``: ``sweep|analyze|memory|bench|echo <experiment.yaml>``, ``dashboard``, ``convert``, ``clean``."""
 
 from __future__ import annotations
 
@@ -13,12 +13,27 @@ from coordinated_prep.errors import ConfigError, CoordinatedPrepError
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 for a configuration or dataset error)."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    commands = {"sweep": _sweep, "analyze": _analyze, "memory": _memory, "bench": _bench, "echo": _echo,
+                "dashboard": _dashboard, "convert": _convert, "clean": _clean}
+    try:
+        return commands[args.command](args)
+    except CoordinatedPrepError as e:
+        sys.stderr.write(f"coordprep: error: {e}\n")
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``coordprep`` argument parser (the docs' commands are checked against it)."""
     parser = argparse.ArgumentParser(prog="coordprep", description="Coordinated data preparation for Ray Tune sweeps.")
     sub = parser.add_subparsers(dest="command", required=True)
     sweep = sub.add_parser("sweep", help="run a YAML experiment sweep and print its summary")
     sweep.add_argument("experiment", help="path of the sweep's YAML file, e.g. experiments/default.yaml")
     sweep.add_argument("--dry-run", action="store_true", help="validate the file and stop before Ray starts")
     sweep.add_argument("--verbose", type=int, default=1, choices=(0, 1, 2), help="Tune's progress verbosity")
+    sweep.add_argument("--quiet", action="store_true",
+                       help="no progress line (each data group's sharing factor and stall fraction every 5 s)")
     sweep.add_argument("--resume", action="store_true",
                        help="resume the interrupted sweep saved under <storage_path>/<name>: unfinished and errored "
                             "trials go on from their last checkpoints")
@@ -72,17 +87,15 @@ def main(argv: list[str] | None = None) -> int:
                          help="samples per row group, the unit one random read fetches (default 16)")
     convert.add_argument("--overwrite", action="store_true",
                          help="replace a Parquet dataset converted into OUT before (only its own files are removed)")
+    dashboard = sub.add_parser("dashboard", help="install the Grafana dashboard of the coordprep_* metrics where the "
+                                                 "running Ray cluster's Grafana loads it, or write it to --out")
+    dashboard.add_argument("--out", help="write the dashboard JSON to this file (or into this directory) instead")
+    dashboard.add_argument("--address", default="auto", help="the Ray cluster to install into (default: auto)")
     sub.add_parser("clean", help="delete the node-cache memory (arena files in /dev/shm and the temporary "
                                  "directory) that killed or crashed sweeps left on this machine")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    commands = {"sweep": _sweep, "analyze": _analyze, "memory": _memory, "bench": _bench, "echo": _echo,
-                "convert": _convert, "clean": _clean}
-    try:
-        return commands[args.command](args)
-    except CoordinatedPrepError as e:
-        sys.stderr.write(f"coordprep: error: {e}\n")
-        return 2
+    for command in (analyze, memory, bench):
+        command.add_argument("--dry-run", action="store_true", help="validate the file and stop before anything runs")
+    return parser
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -97,12 +110,23 @@ def _sweep(args: argparse.Namespace) -> int:
     from coordinated_prep.sweep.runner import run_sweep
     from coordinated_prep.sweep.summary import format_summary
 
-    summary = run_sweep(cfg, verbose=args.verbose, resume=args.resume)
+    summary = run_sweep(cfg, verbose=args.verbose, resume=args.resume, progress=None if args.quiet else sys.stdout)
     sys.stdout.write("\n" + format_summary(summary) + f"\n\nSummary written to {summary['path']}\n")
     if summary.get("interrupted"):
         sys.stdout.write(f"The sweep was interrupted; resume it with: coordprep sweep {args.experiment} --resume\n")
         return 1
     return 0 if all(t["status"] != "ERROR" for t in summary["trials"]) else 1
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    from coordinated_prep.dashboard import install, write
+
+    path = write(args.out) if args.out else install(args.address)
+    sys.stdout.write(f"Grafana dashboard written to {path}\n")
+    if not args.out:
+        sys.stdout.write("Grafana started with the cluster's grafana.ini loads it (Dashboards > coordinated_prep); "
+                         "the Ray dashboard's Metrics tab links to that Grafana when RAY_GRAFANA_HOST is set\n")
+    return 0
 
 
 def _echo(args: argparse.Namespace) -> int:
@@ -140,12 +164,19 @@ def _analyze(args: argparse.Namespace) -> int:
     cfg = load_sweep(args.experiment)
     if args.cores is not None and args.cores < 1:
         raise ConfigError(f"analyze: --cores={args.cores} must be at least 1")
+    if args.dry_run:
+        return _valid(args.experiment)
     trials = () if args.no_coordinated_runs else parse_trials(args.trials)
     report = analyze(cfg, samples=args.samples, cores=args.cores, step_ms=args.step_ms,
                      disk_probe_dir=args.disk_probe_dir, trials=trials, run_samples=args.run_samples)
     out = args.out or os.path.join(cfg.storage_path, cfg.name, "analysis")
     paths = write_report(report, out)
     sys.stdout.write(format_report(report) + f"\n\nWritten: {paths['json']} and {paths['png']}\n")
+    return 0
+
+
+def _valid(path: str) -> int:
+    sys.stdout.write(f"{path}: valid\n")
     return 0
 
 
@@ -167,6 +198,8 @@ def _memory(args: argparse.Namespace) -> int:
     from coordinated_prep.sweep.config import load_sweep
 
     cfg = load_sweep(args.experiment)
+    if args.dry_run:
+        return _valid(args.experiment)
     report = run_memory(cfg, steps=args.steps, warmup=args.warmup, threads=args.threads)
     out = args.out or os.path.join(cfg.storage_path, cfg.name, "memory")
     paths = write_report(report, out)
@@ -184,6 +217,8 @@ def _bench(args: argparse.Namespace) -> int:
     from coordinated_prep.bench.run import run_bench
 
     cfg = load_bench(args.experiment)
+    if args.dry_run:
+        return _valid(args.experiment)
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's per-run banner would bury the table
     if args.trials:
         try:

@@ -161,6 +161,10 @@ class CoordinatedSearcher(SearchAlgorithm):
             return {}
         return ray.get(self._registry.reports.remote(), timeout=_CALL_TIMEOUT_S)
 
+    def group_reports_ref(self) -> ray.ObjectRef | None:
+        """A reference to :meth:`group_reports`' answer, without waiting for it (None before the registry exists)."""
+        return self._registry.reports.remote() if self._registry is not None else None
+
     def pool_reports(self) -> dict[str, dict[str, Any]]:
         """Per node: prep actors, reserved CPUs, staging budget and each live group's share of it."""
         if self._registry is None:

@@ -52,5 +52,34 @@ def test_a_tiny_sweep_prints_and_writes_its_summary(ray_session, small_dataset, 
     assert all(group[stage] > 0 for stage in ("fetch_s", "transform_s", "put_s")), group
     assert all(0 <= t["stall_fraction"] <= 1 for t in summary["trials"])
     assert "put s" in out and "stall" in out
+    # The progress line beside Tune's table: each group's sharing factor and stall (at least the final one).
+    [line] = [l for l in out.splitlines() if l.startswith("coordprep ") and "sharing" in l][-1:]
+    assert f"group {next(iter(summary['groups']))}: sharing " in line and "(3 trials reported)" in line
     assert group["samples_prepared"] >= group["samples_per_epoch"] and group["coordinators"] >= 1
     assert all(t["stall_fraction"] is not None for t in summary["trials"])
+
+
+def test_quiet_turns_the_progress_line_off(monkeypatch, capsys):
+    import sys
+
+    import coordinated_prep.sweep.runner as runner
+
+    seen = []
+    monkeypatch.setattr(runner, "run_sweep", lambda cfg, **kw: seen.append(kw["progress"]) or {
+        "trials": [], "groups": {}, "metric": "accuracy", "mode": "max", "best_trial": None, "path": "x"})
+    main(["sweep", "experiments/default.yaml", "--quiet"])
+    main(["sweep", "experiments/default.yaml"])
+    assert seen == [None, sys.stdout]
+
+
+def test_dashboard_out_writes_grafana_json_with_a_panel_per_view(tmp_path, capsys):
+    assert main(["dashboard", "--out", str(tmp_path)]) == 0
+    model = json.loads((tmp_path / "coordprep_grafana_dashboard.json").read_text())
+    assert model["uid"] == "coordprep" and model["schemaVersion"] >= 30
+    titles = {p["title"] for p in model["panels"]}
+    assert {"Stall fraction per trial", "Sharing factor per group", "Staged bytes against the budget",
+            "Prep seconds by stage", "Errors by kind", "Node-cache hit rate", "Storage reads"} <= titles
+    assert all(p["targets"] and all(t["expr"] for t in p["targets"]) for p in model["panels"])
+    assert str(tmp_path) in capsys.readouterr().out
+    assert main(["dashboard", "--out", str(tmp_path / "no" / "such" / "dir" / "d.json")]) == 2
+    assert "is not a directory" in capsys.readouterr().err

@@ -318,3 +318,16 @@ def test_coordprep_echo_dry_run_validates_the_shipped_file(capsys):
     assert "5 variants: off, example-2, batch-2, views-2, auto" in capsys.readouterr().out
     assert main(["echo", "experiments/echo.yaml", "--dry-run", "--variants", "nope"]) == 2
     assert "--variants names ['nope']" in capsys.readouterr().err
+
+
+def test_the_sweep_summary_shows_fresh_and_echoed_samples_per_trial_when_any_echoed():
+    from coordinated_prep.sweep.summary import build_summary, format_summary
+
+    rows = [{"trial": "a", "status": "TERMINATED", "epochs": 3, "accuracy": 0.9, "echo": "off",
+             "fresh_samples": 300, "echoed_samples": 0},
+            {"trial": "b", "status": "TERMINATED", "epochs": 3, "accuracy": 0.95, "echo": "auto:4",
+             "fresh_samples": 300, "echoed_samples": 410}]
+    text = format_summary(build_summary(rows, {}, "accuracy", "max"))
+    assert "echoed" in text and "auto:4" in text and "410" in text
+    plain = format_summary(build_summary([dict(rows[0])], {}, "accuracy", "max"))
+    assert "echoed" not in plain, "no echo columns when nobody echoed"

@@ -46,12 +46,29 @@ def echo_trial(config: dict) -> None:
 @pytest.mark.parametrize("views", [1, 2])
 def test_trials_echoing_differently_share_one_group_and_keep_exact_epochs(ray_session, small_dataset, tmp_path,
                                                                          views):
-    baseline = plasma_objects()
     spec = DataSpec(dataset=small_dataset, pipeline={"size": 32}, seed=5, chunk_size=8, segments=4, lookahead=2,
                     views=views)
+    _mixed_echo_sweep(spec, [8, 12], tmp_path)  # 12 straddles the pieces of 8
+
+
+@pytest.mark.soak
+def test_mixed_echo_on_photographs_at_224_px(ray_session, tmp_path):
+    """Slow preparation shows races that tiny images hide: joins and echo on real photographs, 224 px.
+
+    Off by default (``soak``): ``.venv/bin/python -m pytest -m soak tests/test_echo_sweep.py``."""
+    # Pieces of 64 samples x 2 views (19 MiB): the test's 128 MiB staging budget holds six.
+    spec = DataSpec(dataset="builtin:photos", pipeline={"size": 224}, seed=5, views=2, chunk_size=64)
+    _mixed_echo_sweep(spec, [64, 96], tmp_path)  # 96 straddles the pieces
+
+
+def _mixed_echo_sweep(spec: DataSpec, batch_sizes: list[int], tmp_path) -> None:
+    """Five trials of one group echoing five ways (one joining mid-epoch): exact fresh epochs, the
+    repeat bound, and every row's bytes those of the unshared pipeline."""
+    baseline = plasma_objects()
     gate = Gate.options(name="echo-mid-epoch", namespace="coordinated_prep").remote()
-    trials = [("opener", "off", 8), ("early", "example:2", 12), ("early", "batch:2", 8), ("early", "auto:3", 8),
-              ("late", "example:3", 8)]  # 12 straddles the pieces of 8; the late one joins mid-epoch
+    small, large = batch_sizes
+    trials = [("opener", "off", small), ("early", "example:2", large), ("early", "batch:2", small),
+              ("early", "auto:3", small), ("late", "example:3", small)]  # the late one joins mid-epoch
     searcher = CoordinatedSearcher(max_concurrent=len(trials))
     analysis = tune.run(tune.with_resources(echo_trial, {"cpu": 0.125}), search_alg=searcher, verbose=0,
                         config={"data": spec, "out": str(tmp_path),
@@ -71,14 +88,14 @@ def test_trials_echoing_differently_share_one_group_and_keep_exact_epochs(ray_se
             continue
         epochs = [dict(np.load(os.path.join(path, f"epoch{k}.npz"))) for k in range(EPOCHS)]
         echo = EchoSpec.parse(str(epochs[0]["echo"]))
-        assert_fresh_exactly_once(epochs, ids, views * echo.factor, f"{trial} ({echo.name})")
+        assert_fresh_exactly_once(epochs, ids, spec.views * echo.factor, f"{trial} ({echo.name})")
         for e in epochs:
-            view = e["repeats"] // echo.factor  # repeat r of a row of view v is numbered v * factor + copy
+            view = e["repeats"] // echo.factor  # a repeat of view v's row is labelled v * factor + copy
             want = reference_digests(spec, e["stream_epochs"], e["indices"], view)
             assert np.array_equal(e["digests"], want), f"{trial}: bytes differ from the unshared pipeline's"
             assert int(e["fresh"]) == len(ids) and int(e["private_samples"]) == 0
             if echo.mode in ("example", "batch"):
-                assert int(e["echoed"]) == (views * echo.factor - 1) * len(ids)
+                assert int(e["echoed"]) == (spec.views * echo.factor - 1) * len(ids)
         starts[echo.name] = int(epochs[0]["start"])
     assert starts["example:3"] > 0, "the late trial joined mid-epoch"
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline

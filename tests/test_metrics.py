@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
@@ -135,3 +136,53 @@ def test_metrics_are_scraped_during_a_sweep_with_plausible_values(ray_session, s
     [pipeline] = {dict(tags)["pipeline"] for name, tags in final if name == "coordprep_eval_samples_prepared"}
     assert value(final, "eval_samples_prepared", pipeline=pipeline) == held
     assert held <= value(final, "eval_samples_served", pipeline=pipeline) <= len(trials) * epochs * held
+
+
+def _exported_names() -> set[str]:
+    """Every ``ray_coordprep_*`` sample name on the endpoint now, as exported (counters with ``_total``)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=10).read().decode()
+    return {s.name for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith("ray_coordprep_")}
+
+
+def test_the_dashboard_names_only_metrics_a_real_sweep_exports(ray_session, tmp_path):
+    from coordinated_prep.dashboard import FILE_NAME, dashboard, install, metric_names
+    from tests.utils import make_imagefolder
+
+    # One unreadable sample (skipped: the errors series), a node cache, echo, evaluation: every panel has data.
+    root = make_imagefolder(str(tmp_path / "data"), classes=2, per_class=20)
+    with open(os.path.join(root, "class_0", "img_001.jpg"), "wb") as f:
+        f.write(b"not a jpeg")
+    spec = DataSpec(dataset=root, pipeline={"size": 16}, seed=2, chunk_size=8, on_error="skip")
+    seen: set[str] = set()
+    stop = threading.Event()
+
+    def poll() -> None:  # gauges leave with their actors: collect names while the sweep runs
+        while not stop.wait(0.5):
+            seen.update(_exported_names())
+
+    scraper = threading.Thread(target=poll, daemon=True)
+    scraper.start()
+    searcher = CoordinatedSearcher(cache=CacheSpec("8MiB"))
+    try:
+        analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}),
+                            config={"data": spec, "batch_size": 8, "epochs": 2, "delay_s": 0.05, "echo": "batch:2",
+                                    "evaluate": True, "score": tune.grid_search([1, 2]), "out": str(tmp_path / "out")},
+                            search_alg=searcher, verbose=0)
+    finally:
+        searcher.close()
+    wanted = metric_names(dashboard())
+    pause = threading.Event()  # never set: a bounded wait for the last exports to reach the endpoint
+    for _ in range(30):
+        if wanted <= seen:
+            break
+        pause.wait(0.5)
+    stop.set()
+    scraper.join(timeout=30)
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    assert len(wanted) >= 15, wanted
+    assert wanted <= seen, f"the dashboard names series no sweep exported: {sorted(wanted - seen)}"
+    # This Ray runs the dashboard, so its Grafana folder exists: the dashboard is installed beside Ray's own.
+    path = install()
+    assert os.path.basename(path) == FILE_NAME and os.path.dirname(path).endswith(os.path.join("grafana", "dashboards"))
+    assert json.load(open(path))["uid"] == "coordprep"

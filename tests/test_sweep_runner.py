@@ -105,3 +105,14 @@ def test_an_optuna_sweep_from_yaml_shares_its_data(ray_session, tmp_path):
     assert group["trials_joined"] == 3
     assert group["samples_served"] == 3 * group["samples_per_epoch"], "each trial read its one epoch"
     assert group["samples_prepared"] < group["samples_served"], f"the trials shared no preparation: {group}"
+
+
+def test_the_progress_line_names_each_groups_sharing_and_stall():
+    from coordinated_prep.sweep.progress import format_progress
+
+    line = format_progress(12.4, {"g1": {"samples_prepared": 1000, "samples_served": 2830}},
+                           {"t1": ("g1", 0.02), "t2": ("g1", 0.04), "t3": ("g2", 0.5)})
+    assert line.startswith("coordprep 12s | ")
+    assert "group g1: sharing 2.83x (1,000 prepared, 2,830 served), stall 0.03 (2 trials reported)" in line
+    assert "group g2: sharing - (0 prepared, 0 served), stall 0.50 (1 trial reported)" in line
+    assert format_progress(0, {}, {}) == "coordprep 0s | no data group yet"

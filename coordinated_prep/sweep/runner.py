@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence, TextIO
 
 from coordinated_prep.cache.arena import remove_stale
 from coordinated_prep.errors import ConfigError
@@ -20,7 +20,8 @@ LOOPBACK = "127.0.0.1"
 
 
 def run_sweep(cfg: SweepConfig, verbose: int = 1, resume: bool = False,
-              callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+              callbacks: Sequence[Any] = (), progress: TextIO | None = None,
+              progress_every_s: float = 5.0) -> dict[str, Any]:
     """Start Ray if needed, run the sweep through ``tune.Tuner``, and return (and write) its summary.
 
     Args:
@@ -30,6 +31,8 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1, resume: bool = False,
             unfinished and errored trials go on from their last checkpoints, and the summary covers
             every trial of the sweep.
         callbacks: Tune callbacks added to the run (a new run only: a resumed run keeps its own).
+        progress: Where to write a progress line (each group's sharing factor and stall fraction)
+            every ``progress_every_s`` seconds and at the end; None for none.
 
     Raises:
         ConfigError: ``resume`` with no saved sweep to resume.
@@ -49,6 +52,11 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1, resume: bool = False,
     search_alg, searcher = _search_algorithm(cfg)
     resources, param_space = trial_resources(cfg)
     trainable = tune.with_resources(cfg.trainable_fn(), resources)
+    callbacks = list(callbacks)
+    if progress is not None and searcher is not None:
+        from coordinated_prep.sweep.progress import ProgressLine
+
+        callbacks.append(ProgressLine(searcher.group_reports_ref, progress, progress_every_s))
     if resume:  # Tune restores its own copy of the searcher, which finds or starts this job's registry
         tuner = tune.Tuner.restore(path, trainable=trainable, param_space=param_space,
                                    resume_unfinished=True, resume_errored=True)
