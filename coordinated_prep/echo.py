@@ -159,11 +159,16 @@ class EchoCounts:
     echoed: int = 0
     batches: int = 0
 
-    def add(self, batch: Batch) -> None:
-        """Count ``batch``."""
+    def add(self, batch: Batch) -> int:
+        """Count ``batch``; returns its fresh samples."""
         fresh = int((batch.repeats == 0).sum())
+        self.add_counts(fresh, len(batch))
+        return fresh
+
+    def add_counts(self, fresh: int, samples: int) -> None:
+        """Count a batch of ``samples`` of which ``fresh`` are fresh."""
         self.fresh += fresh
-        self.echoed += len(batch) - fresh
+        self.echoed += samples - fresh
         self.batches += 1
 
 

@@ -142,11 +142,10 @@ class TrainLoader:
             if batch is None:
                 return
             metrics.inc("batches", 1, **self._tags)
-            fresh, echoed_before = self.epoch_counts.fresh, self.epoch_counts.echoed
-            self.epoch_counts.add(batch)
-            self.echo_counts.add(batch)
-            metrics.inc("fresh_samples", self.epoch_counts.fresh - fresh, **self._tags)
-            metrics.inc("echoed_samples", self.epoch_counts.echoed - echoed_before, **self._tags)
+            fresh = self.epoch_counts.add(batch)
+            self.echo_counts.add_counts(fresh, len(batch))
+            metrics.inc("fresh_samples", fresh, **self._tags)
+            metrics.inc("echoed_samples", len(batch) - fresh, **self._tags)
             yield batch
 
     def _batches(self, epoch: int) -> Iterator[Batch]:
