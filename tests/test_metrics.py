@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import socket
 import threading
 import urllib.request
+from typing import Callable, Iterator
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -58,6 +60,24 @@ def scrape() -> dict[tuple[str, frozenset], float]:
     return samples
 
 
+@contextlib.contextmanager
+def polling(collect: Callable[[], None], every_s: float = 0.5) -> Iterator[None]:
+    """Call ``collect`` every ``every_s`` seconds in a thread while the block runs (and stop it after)."""
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(every_s):
+            collect()
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+
+
 def value(samples, name: str, **tags: str) -> float | None:
     return samples.get((f"coordprep_{name}", frozenset(tags.items())))
 
@@ -67,23 +87,15 @@ def test_metrics_are_scraped_during_a_sweep_with_plausible_values(ray_session, s
                     staging_bytes=64 * 8 * 3 * 32 * 32)
     group, epochs = spec.group_key, 2
     during: list[dict] = []
-    stop = threading.Event()
-
-    def poll() -> None:  # the scraper Prometheus would be, every half second while the sweep runs
-        while not stop.wait(0.5):
-            during.append(scrape())
-
-    scraper = threading.Thread(target=poll, daemon=True)
-    scraper.start()
     searcher = CoordinatedSearcher(cache=CacheSpec("32MiB"))
     try:
-        analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}),
-                            config={"data": spec, "batch_size": 8, "epochs": epochs, "delay_s": 0.05, "echo": "batch:2",
-                                    "evaluate": True, "score": tune.grid_search([1, 2]), "out": str(tmp_path)},
-                            search_alg=searcher, verbose=0)
+        with polling(lambda: during.append(scrape())):  # the scraper Prometheus would be, while the sweep runs
+            analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}),
+                                config={"data": spec, "batch_size": 8, "epochs": epochs, "delay_s": 0.05,
+                                        "echo": "batch:2", "evaluate": True, "score": tune.grid_search([1, 2]),
+                                        "out": str(tmp_path)},
+                                search_alg=searcher, verbose=0)
     finally:
-        stop.set()
-        scraper.join(timeout=30)
         searcher.close()
     trials = [t.trial_id for t in analysis.trials]
     assert any(value(s, "samples_prepared", group=group) for s in during), "no metrics seen while the sweep ran"
@@ -155,30 +167,22 @@ def test_the_dashboard_names_only_metrics_a_real_sweep_exports(ray_session, tmp_
         f.write(b"not a jpeg")
     spec = DataSpec(dataset=root, pipeline={"size": 16}, seed=2, chunk_size=8, on_error="skip")
     seen: set[str] = set()
-    stop = threading.Event()
-
-    def poll() -> None:  # gauges leave with their actors: collect names while the sweep runs
-        while not stop.wait(0.5):
-            seen.update(_exported_names())
-
-    scraper = threading.Thread(target=poll, daemon=True)
-    scraper.start()
-    searcher = CoordinatedSearcher(cache=CacheSpec("8MiB"))
-    try:
-        analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}),
-                            config={"data": spec, "batch_size": 8, "epochs": 2, "delay_s": 0.05, "echo": "batch:2",
-                                    "evaluate": True, "score": tune.grid_search([1, 2]), "out": str(tmp_path / "out")},
-                            search_alg=searcher, verbose=0)
-    finally:
-        searcher.close()
     wanted = metric_names(dashboard())
-    pause = threading.Event()  # never set: a bounded wait for the last exports to reach the endpoint
-    for _ in range(30):
-        if wanted <= seen:
-            break
-        pause.wait(0.5)
-    stop.set()
-    scraper.join(timeout=30)
+    searcher = CoordinatedSearcher(cache=CacheSpec("8MiB"))
+    with polling(lambda: seen.update(_exported_names())):  # gauges leave with their actors: collect as it runs
+        try:
+            analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}),
+                                config={"data": spec, "batch_size": 8, "epochs": 2, "delay_s": 0.05,
+                                        "echo": "batch:2", "evaluate": True, "score": tune.grid_search([1, 2]),
+                                        "out": str(tmp_path / "out")},
+                                search_alg=searcher, verbose=0)
+        finally:
+            searcher.close()
+        pause = threading.Event()  # never set: a bounded wait for the last exports to reach the endpoint
+        for _ in range(30):
+            if wanted <= seen:
+                break
+            pause.wait(0.5)
     assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
     assert len(wanted) >= 15, wanted
     assert wanted <= seen, f"the dashboard names series no sweep exported: {sorted(wanted - seen)}"
