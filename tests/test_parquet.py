@@ -7,6 +7,8 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -90,23 +92,38 @@ def test_a_read_decodes_one_row_group_of_the_image_column_only(shapes_root, tmp_
     assert len(reads) == 200 // 8 and sum(rows for rows, _ in reads) == 200, "neighbours come from the cache"
 
 
-def test_dataloader_workers_forked_after_reads_get_the_same_bytes(small_dataset, tmp_path):
-    source = ParquetSource(convert_imagefolder(small_dataset, str(tmp_path / "pq"), shard_size=64).out)
-    source.read(100)  # the parent now holds a handle and a cached row group; each forked worker opens its own
-    loader = torch.utils.data.DataLoader(_Reads(source), batch_size=None, num_workers=2,
-                                         multiprocessing_context="fork")
-    assert list(loader) == [ImageFolderSource(small_dataset).read(i) for i in range(len(source))]
+# Forked from a fresh interpreter: by this point the pytest process holds the threads of earlier
+# modules (Ray's gRPC, DALI, torch), and a fork of a many-threaded process may crash in the child
+# whatever the source does (CI saw one such segfault). The fresh parent holds exactly what a
+# training script's would: an opened shard and a cached row group.
+_FORKED_READS = """
+import pickle, sys
+import torch
+from coordinated_prep.sources import ParquetSource
 
-
-class _Reads(torch.utils.data.Dataset):
-    def __init__(self, source: ParquetSource) -> None:
+class Reads(torch.utils.data.Dataset):
+    def __init__(self, source):
         self.source = source
-
-    def __len__(self) -> int:
+    def __len__(self):
         return len(self.source)
-
-    def __getitem__(self, i: int) -> bytes:
+    def __getitem__(self, i):
         return self.source.read(i)
+
+source = ParquetSource(sys.argv[1])
+source.read(100)
+assert source._files and source._cache, "the parent must hold a handle and a cached row group before the fork"
+loader = torch.utils.data.DataLoader(Reads(source), batch_size=None, num_workers=2, multiprocessing_context="fork",
+                                     timeout=60)
+sys.stdout.buffer.write(pickle.dumps(list(loader)))
+"""
+
+
+def test_dataloader_workers_forked_after_reads_get_the_same_bytes(small_dataset, tmp_path):
+    out = convert_imagefolder(small_dataset, str(tmp_path / "pq"), shard_size=64).out
+    done = subprocess.run([sys.executable, "-c", _FORKED_READS, out], capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
+    folder = ImageFolderSource(small_dataset)
+    assert pickle.loads(done.stdout) == [folder.read(i) for i in range(len(folder))]
 
 
 def test_errors_name_the_manifest_shard_and_fix(shapes_root, tmp_path):
