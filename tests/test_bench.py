@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from coordinated_prep.bench.config import BenchConfig, load_bench
+from coordinated_prep.bench.cpu import ROLES, ProcessSampler, cpu_by_role, role_of
 from coordinated_prep.cli import main
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.plan import holdout_split
@@ -51,7 +52,15 @@ def test_a_tiny_bench_runs_every_loader_and_format_and_writes_csv_and_png(ray_se
     assert (tmp_path / "runs" / "tiny" / "parquet" / MANIFEST).is_file(), "the dataset was converted once"
     [bound] = [r for r in rows if r["step"] == "decode"]  # the cores' decode-and-augment bound, measured
     assert float(bound["ms_per_sample"]) > 0 and float(bound["samples_per_s"]) > 0
-    rows = [r for r in rows if r["step"] != "decode"]
+    launches = [r for r in rows if r["step"] == "launch"]  # Tune's launch of N empty trials, before each N's loaders
+    assert [r["trials"] for r in launches] == ["1", "2"]
+    for r in launches:
+        assert float(r["launch_s"]) > 0 and float(r["launch_cpu_s"]) > 0, r
+        # the ceiling: launch CPU plus one preparation of the epochs' samples, over the cores
+        unique = epoch * float(bound["ms_per_sample"]) / 1000
+        assert float(r["ideal_with_startup_s"]) == pytest.approx((float(r["launch_cpu_s"]) + unique) / 2), r
+        assert int(r["samples_read"]) == int(r["trials"]) * epoch and float(r["vs_best_with_startup"]) > 0, r
+    rows = [r for r in rows if r["step"] not in ("decode", "launch")]
     files = [r for r in rows if r["step"] != "read" and r["format"] == "files"]
     assert [(r["step"], r["trials"]) for r in files[::4]] == [("simulated", "1"), ("simulated", "2"), ("cnn", "1")]
     records = [(r["step"], r["loader"], r["trials"]) for r in rows if r["step"] != "read" and r["format"] == "parquet"]
@@ -70,6 +79,11 @@ def test_a_tiny_bench_runs_every_loader_and_format_and_writes_csv_and_png(ray_se
         assert float(r["samples_per_s_with_startup"]) > 0 and float(r["waited_s"]) > float(r["window_s"]), r
         if r["step"] == "simulated":
             assert float(r["trial_cpu_ms_per_batch"]) > 0, r
+        shares = [r[f"cpu_{role}_share"] for role in ROLES]  # sampled twice a second: a tiny run may have none
+        if not r["loader"].startswith("coordinated") or shares[0] == "":
+            assert shares == [""] * len(ROLES), r
+        else:
+            assert 0 < float(shares[0]) and sum(map(float, shares)) <= 1.05, r
         if r["loader"].startswith("coordinated"):  # batches of 16 inside pieces of 32: all views
             assert float(r["copied_fraction"]) == 0.0 and float(r["vs_prep_bound"]) > 0, r
     assert float(files[0]["vs_best_independent"]) > 0 and float(rows[-1]["vs_best_independent"]) > 0
@@ -103,3 +117,30 @@ def test_bad_bench_files_name_the_key(tmp_path, text, named):
 
 def test_defaults_are_valid():
     assert BenchConfig().loaders[0] == "dataloader"
+
+
+def test_cpu_is_told_apart_by_the_process_titles_ray_gives_its_workers():
+    assert role_of("ray::PrepActor.prepare") == "prep" and role_of("ray::PrepActor") == "prep"
+    assert role_of("ray::ImplicitFunc.train ") == "trials" and role_of("ray::Coordinator.fetch") == "coordinators"
+    assert role_of("/usr/bin/python -m pytest") == "other" and role_of("") == "other"
+    before = {1: (100, "prep"), 2: (50, "trials"), 3: (7, "other")}
+    after = {1: (300, "prep"), 2: (60, "trials"), 4: (20, "coordinators")}  # 3 ended, 4 started meanwhile
+    assert cpu_by_role(before, after, 100.0) == {"prep": 2.0, "trials": 0.1, "coordinators": 0.2, "other": 0.0}
+
+
+@pytest.mark.skipif(not ProcessSampler().available, reason="no /proc to sample")
+def test_the_sampler_finds_this_process_busy_between_two_snapshots():
+    import hashlib
+    import time
+
+    block = bytes(1 << 20)
+    with ProcessSampler(interval_s=0.02) as sampler:
+        start = time.time()
+        cpu = time.process_time()
+        while time.process_time() - cpu < 0.3:  # 0.3 s of CPU in this process ("other"); hashing
+            hashlib.sha256(block).digest()  # releases the GIL, so the sampler's thread runs meanwhile
+        end = time.time()
+    shares = sampler.shares(start, end, cores=1)
+    assert shares is not None and set(shares) == set(ROLES)
+    assert shares["other"] > 0 and shares["prep"] == shares["trials"] == shares["coordinators"] == 0
+    assert sampler.shares(end + 10, end + 20, cores=1) is None  # no snapshots there

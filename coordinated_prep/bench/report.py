@@ -12,7 +12,9 @@ COLUMNS = ("step", "loader", "format", "cache", "trials", "samples_per_s", "mb_p
            "vs_best_independent", "unique_samples_per_s", "vs_prep_bound", "samples_per_s_with_startup",
            "vs_best_with_startup", "waited_s", "pool_start_s", "trials_started_s", "startup_s", "startup_max_s", "copied_fraction",
            "trial_cpu_ms_per_batch", "loader_cpu_ms_per_batch", "prep_cpu_s", "prep_cpu_ms_per_sample_read", "prep_work_x", "peak_staging_bytes",
-           "stall_fraction", "samples", "samples_read", "window_s", "workers_per_trial", "ms_per_sample")
+           "stall_fraction", "samples", "samples_read", "window_s", "workers_per_trial", "ms_per_sample",
+           "launch_s", "launch_cpu_s", "ideal_with_startup_s", "cpu_prep_share", "cpu_trials_share",
+           "cpu_coordinators_share", "cpu_other_share")
 
 
 def _num(v: Any, fmt: str) -> str:
@@ -20,9 +22,11 @@ def _num(v: Any, fmt: str) -> str:
 
 
 def format_rows(rows: Sequence[Mapping[str, Any]]) -> str:
-    """The rows as aligned tables: the read-only rows (if any), then the loaders' rows (if any)."""
+    """The rows as aligned tables, each if it has rows: the read-only rows, Tune's launch of empty
+    trials, where the coordinated runs' CPU went, then the loaders' rows."""
     reads = [r for r in rows if r["step"] == "read"]
-    loaders = [r for r in rows if r["step"] not in ("read", "decode")]
+    loaders = [r for r in rows if r["step"] not in ("read", "decode", "launch")]
+    launches = [r for r in rows if r["step"] == "launch"]
     tables = [f"decode and augment on one core: {r['ms_per_sample']:.2f} ms per sample, so {r['samples_per_s']:.0f} "
               "samples/s at most on the benchmark's cores" for r in rows if r["step"] == "decode"]
     if reads:
@@ -30,6 +34,22 @@ def format_rows(rows: Sequence[Mapping[str, Any]]) -> str:
             ["read-only", "format", "cache", "samples/s", "MB/s", "storage MB read"],
             [["shuffled", r["format"], r["cache"], _num(r["samples_per_s"], "{:.0f}"), _num(r["mb_per_s"], "{:.1f}"),
               _num(r.get("storage_mb"), "{:.1f}")] for r in reads],
+        ))
+    if launches:
+        tables.append(format_table(
+            ["Tune's launch", "N", "launch s", "launch CPU s", "ideal with start-up s", "ceiling vs best (with start-up)"],
+            [["empty trials", r["trials"], _num(r["launch_s"], "{:.1f}"), _num(r.get("launch_cpu_s"), "{:.1f}"),
+              _num(r.get("ideal_with_startup_s"), "{:.1f}"), _num(r.get("vs_best_with_startup"), "{:.2f}x")]
+             for r in launches],
+        ))
+    # before the loaders' table, whose last line the progress output shows for each row
+    cpu = [r for r in loaders if r.get("cpu_prep_share") is not None]
+    if cpu:
+        tables.append(format_table(
+            ["CPU while all trials read", "loader", "data", "N", "prep actors", "trials", "coordinators", "rest"],
+            [[r["step"], r["loader"], r.get("format", "files"), r["trials"],
+              *(_num(r[f"cpu_{role}_share"], "{:.1%}") for role in ("prep", "trials", "coordinators", "other"))]
+             for r in cpu],
         ))
     if loaders:
         tables.append(_format_loaders(loaders))
@@ -75,7 +95,7 @@ def plot(rows: Sequence[Mapping[str, Any]], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = [dict(r, line=r["loader"] + ("" if r.get("format", "files") == "files" else f" ({r['format']})"))
-            for r in rows if r["step"] not in ("read", "decode")]
+            for r in rows if r["step"] not in ("read", "decode", "launch")]
     steps = list(dict.fromkeys(r["step"] for r in rows))
     fig, axes = plt.subplots(1, len(steps), figsize=(6 * len(steps), 4.5), squeeze=False)
     for ax, step in zip(axes[0], steps):

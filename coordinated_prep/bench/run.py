@@ -21,8 +21,9 @@ import time
 from typing import Any, Callable, Iterable
 
 from coordinated_prep.bench.config import INDEPENDENT, BenchConfig
+from coordinated_prep.bench.cpu import ROLES, ProcessSampler
 from coordinated_prep.bench.reads import node_cache_rows, read_rows
-from coordinated_prep.bench.trials import bench_trial
+from coordinated_prep.bench.trials import bench_trial, launch_trial
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.plan import holdout_split
 from coordinated_prep.pool.spec import PoolSpec
@@ -72,10 +73,13 @@ def run_bench(cfg: BenchConfig, progress: Callable[[dict[str, Any]], None] | Non
         for step in cfg.steps:
             best: dict[int, float | None] = {}  # per N: the best independent loader's rate on the raw files
             for n in cfg.trials if step == "simulated" else cfg.cnn_trials:
+                floor = measure_launch(cfg, n) if step == "simulated" else None
                 measured = [measure(cfg, loader, n, step) for loader in cfg.loaders]
                 best[n] = max((r["samples_per_s"] for r in measured if r["loader"] in INDEPENDENT), default=None)
                 best_waited = max((r["samples_per_s_with_startup"] for r in measured if r["loader"] in INDEPENDENT),
                                   default=None)
+                if floor is not None:
+                    emit(with_ceiling(cfg, floor, bound, measured, best_waited))
                 for row in measured:
                     emit(dict(row, vs_best_independent=_ratio(row["samples_per_s"], best[n]),
                               vs_best_with_startup=_ratio(row["samples_per_s_with_startup"], best_waited),
@@ -119,6 +123,56 @@ def decode_bound(cfg: BenchConfig, source: ImageFolderSource, train_ids: Any, sa
             "trials": 0, "samples": len(ids), "ms_per_sample": ms, "samples_per_s": cfg.cores * 1000 / ms}
 
 
+def measure_launch(cfg: BenchConfig, trials: int) -> dict[str, Any]:
+    """Tune's launch of ``trials`` trials that import what the bench trial imports and read nothing.
+
+    Row fields: ``launch_s``, from asking Tune to run to the last trial's function starting, and
+    ``launch_cpu_s``, the CPU seconds the whole machine spent meanwhile (``/proc/stat``; None
+    where it is missing). Tune starts the trials' functions together once their processes are up,
+    so every loader's time with start-up includes this launch.
+    """
+    from ray import tune
+
+    busy0, started = machine_busy_s(), time.time()
+    analysis = tune.run(tune.with_resources(launch_trial, {"cpu": 0.01}),
+                        config={"trial_index": tune.grid_search(list(range(trials)))}, max_concurrent_trials=trials,
+                        verbose=0, raise_on_failed_trial=True, name=f"launch-{trials}",
+                        storage_path=os.path.abspath(os.path.join(cfg.storage_path, cfg.name, "tune")))
+    launch = max(t.last_result["t_started"] for t in analysis.trials) - started
+    busy1 = machine_busy_s()
+    return {"step": "launch", "loader": "none (empty trials)", "format": "-", "trials": trials, "launch_s": launch,
+            "launch_cpu_s": None if busy0 is None or busy1 is None else busy1 - busy0}
+
+
+def with_ceiling(cfg: BenchConfig, floor: dict[str, Any], bound: dict[str, Any], measured: list[dict[str, Any]],
+                 best_waited: float | None) -> dict[str, Any]:
+    """``floor`` with the best time with start-up that any loader preparing each sample once can reach.
+
+    ``ideal_with_startup_s`` = (launch CPU + the epochs' unique samples at the measured single-core
+    decode-and-augment cost) / cores: the launch keeps every core busy (``launch_cpu_s`` close to
+    ``launch_s`` x cores), so preparation cannot hide in it, and nothing a trial does per batch is
+    counted. ``vs_best_with_startup`` is the ceiling this puts on a loader's ratio with start-up.
+    """
+    reads = [r["samples_read"] for r in measured if r.get("samples_read")]
+    if floor["launch_cpu_s"] is None or not reads:
+        return dict(floor, ideal_with_startup_s=None, vs_best_with_startup=None)
+    unique = reads[0] / floor["trials"]
+    ideal = (floor["launch_cpu_s"] + unique * bound["ms_per_sample"] / 1000) / cfg.cores
+    return dict(floor, ideal_with_startup_s=ideal, samples_read=reads[0],
+                vs_best_with_startup=_ratio(reads[0] / ideal, best_waited))
+
+
+def machine_busy_s() -> float | None:
+    """CPU seconds all of the machine's cores have spent busy since boot (``/proc/stat``), or None."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def _ratio(rate: float, best: float | None) -> float | None:
     return rate / best if best else None
 
@@ -156,8 +210,10 @@ def measure(cfg: BenchConfig, loader: str, trials: int, step: str, dataset: str 
     Row fields: ``samples_per_s`` (all trials together), ``prep_cpu_s`` (CPU seconds spent
     preparing: the prep actors', or the trials' DataLoader workers or DALI threads),
     ``prep_work_x`` (samples prepared per sample one trial read: 1.00 when each sample is prepared
-    once for all trials, N when every trial prepares its own), ``peak_staging_bytes`` and the
-    trials' mean ``stall_fraction``.
+    once for all trials, N when every trial prepares its own), ``peak_staging_bytes``, the
+    trials' mean ``stall_fraction`` and, for the coordinated loaders, ``cpu_<role>_share``: the
+    share of the machine's CPU that the prep actors, the trials' processes, the coordinators and
+    everything else used while all trials read (:mod:`coordinated_prep.bench.cpu`).
     """
     from ray import tune
 
@@ -170,10 +226,13 @@ def measure(cfg: BenchConfig, loader: str, trials: int, step: str, dataset: str 
     # Independent loaders run without the searcher: no prep pool sits beside them.
     searcher = CoordinatedSearcher(max_concurrent=trials, pool=PoolSpec(actors=cfg.cores)) if spec.coordinated else None
     started = time.time()
+    sampler = ProcessSampler() if searcher else None  # where a coordinated run's CPU goes, by role
     try:
         if searcher:
             searcher.start()  # the prep pool (timed apart; Tune would start it at its first trial)
         pool_start = time.time() - started
+        if sampler:
+            sampler.start()
         analysis = tune.run(tune.with_resources(bench_trial, {"cpu": 0.01}), config=config, search_alg=searcher,
                             max_concurrent_trials=None if searcher else trials,
                             verbose=0, raise_on_failed_trial=True, storage_path=os.path.abspath(
@@ -181,9 +240,14 @@ def measure(cfg: BenchConfig, loader: str, trials: int, step: str, dataset: str 
                             name=f"{step}-{loader}-{trials}" + ("" if fmt == "files" else f"-{fmt}"))
         groups = searcher.group_reports() if searcher else {}
     finally:
+        if sampler:
+            sampler.stop()
         if searcher:
             searcher.close()
     results = [t.last_result for t in analysis.trials]
+    # CPU shares while every trial reads (after the last first batch, before the first trial ends)
+    shares = sampler.shares(max(r["t_first"] for r in results), min(r["t_end"] for r in results),
+                            cfg.cores) if sampler else None
     samples = sum(r["samples"] for r in results)
     read = sum(r["samples_read"] for r in results)
     window = max(r["t_end"] for r in results) - min(r["t_first"] for r in results)
@@ -216,6 +280,7 @@ def measure(cfg: BenchConfig, loader: str, trials: int, step: str, dataset: str 
         "copied_fraction": _mean(r.get("copied_fraction") for r in results),
         "loader_cpu_ms_per_batch": _mean(r.get("loader_cpu_ms_per_batch") for r in results),
         "workers_per_trial": workers if loader in INDEPENDENT else 0,
+        **{f"cpu_{role}_share": shares[role] if shares else None for role in ROLES},
     }
 
 

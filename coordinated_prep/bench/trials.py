@@ -91,6 +91,18 @@ def bench_trial(config: Mapping[str, Any]) -> None:
                  "loader_cpu_ms_per_batch": batches.cpu_ms_per_batch if batches is not None else None})
 
 
+def launch_trial(config: Mapping[str, Any]) -> None:
+    """Read nothing: report when Tune started this trial's function.
+
+    It lives in this module, so its process imports what :func:`bench_trial`'s does (torch, the
+    backends, this package): N of these measure what Tune's launch of N trials costs before any
+    loader is created, the floor under every loader's time with start-up.
+    """
+    from ray import tune
+
+    tune.report({"t_started": time.time()})
+
+
 def _children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
