@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from coordinated_prep.bench.config import BenchConfig, load_bench
-from coordinated_prep.bench.cpu import ROLES, ProcessSampler, cpu_by_role, role_of
+from coordinated_prep.bench.cpu import ROLES, ProcessSampler, cpu_by_role, machine_busy_s, role_of
 from coordinated_prep.cli import main
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.plan import holdout_split
@@ -144,3 +144,5 @@ def test_the_sampler_finds_this_process_busy_between_two_snapshots():
     assert shares is not None and set(shares) == set(ROLES)
     assert shares["other"] > 0 and shares["prep"] == shares["trials"] == shares["coordinators"] == 0
     assert sampler.shares(end + 10, end + 20, cores=1) is None  # no snapshots there
+    busy = machine_busy_s()  # the machine's busy CPU since boot: it includes the hashing above
+    assert busy is not None and busy >= time.process_time() - cpu >= 0.3

@@ -5,8 +5,9 @@ background thread while a Tune run goes on. Afterwards :meth:`ProcessSampler.sha
 window of the run (the benchmark takes the one in which every trial reads), the share of the
 machine's CPU each role used: the prep actors, the trials' processes, the coordinators, and the
 rest (Ray's raylet and GCS, the driver, Tune, this sampler). Roles come from the process titles
-Ray gives its workers (``ray::PrepActor.prepare``). Linux only; elsewhere there is nothing to read
-and the shares are None.
+Ray gives its workers (``ray::PrepActor.prepare``). :func:`machine_busy_s` reads the whole
+machine's busy CPU time (``/proc/stat``), which the benchmark takes around Tune's launch of empty
+trials. Linux only; elsewhere there is nothing to read and the results are None.
 """
 
 from __future__ import annotations
@@ -37,6 +38,17 @@ def cpu_by_role(before: Mapping[int, tuple[int, str]], after: Mapping[int, tuple
     for pid, (ticks, role) in after.items():
         seconds[role] += max(0, ticks - before.get(pid, (0, role))[0]) / ticks_per_s
     return seconds
+
+
+def machine_busy_s() -> float | None:
+    """CPU seconds all of the machine's cores have spent busy since boot (``/proc/stat``), or None."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def read_processes() -> dict[int, tuple[int, str]]:

@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from coordinated_prep.bench.config import INDEPENDENT, BenchConfig
-from coordinated_prep.bench.cpu import ROLES, ProcessSampler
+from coordinated_prep.bench.cpu import ROLES, ProcessSampler, machine_busy_s
 from coordinated_prep.bench.reads import node_cache_rows, read_rows
 from coordinated_prep.bench.trials import bench_trial, launch_trial
 from coordinated_prep.errors import ConfigError
@@ -160,17 +160,6 @@ def with_ceiling(cfg: BenchConfig, floor: dict[str, Any], bound: dict[str, Any],
     ideal = (floor["launch_cpu_s"] + unique * bound["ms_per_sample"] / 1000) / cfg.cores
     return dict(floor, ideal_with_startup_s=ideal, samples_read=reads[0],
                 vs_best_with_startup=_ratio(reads[0] / ideal, best_waited))
-
-
-def machine_busy_s() -> float | None:
-    """CPU seconds all of the machine's cores have spent busy since boot (``/proc/stat``), or None."""
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            ticks = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
-    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _ratio(rate: float, best: float | None) -> float | None:
