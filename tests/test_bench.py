@@ -6,12 +6,13 @@ No timings are asserted: only that every row is there, with the counts it must h
 from __future__ import annotations
 
 import csv
+import os
 import textwrap
 
 import pytest
 
 from coordinated_prep.bench.config import BenchConfig, load_bench
-from coordinated_prep.bench.cpu import ROLES, ProcessSampler, cpu_by_role, machine_busy_s, role_of
+from coordinated_prep.bench.cpu import ROLES, ProcessSampler, cpu_by_role, machine_busy_s, read_processes, role_of
 from coordinated_prep.cli import main
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.plan import holdout_split
@@ -55,7 +56,7 @@ def test_a_tiny_bench_runs_every_loader_and_format_and_writes_csv_and_png(ray_se
     launches = [r for r in rows if r["step"] == "launch"]  # Tune's launch of N empty trials, before each N's loaders
     assert [r["trials"] for r in launches] == ["1", "2"]
     for r in launches:
-        assert float(r["launch_s"]) > 0 and float(r["launch_cpu_s"]) > 0, r
+        assert 0 < float(r["launch_s"]) <= float(r["run_s"]) and float(r["launch_cpu_s"]) > 0, r
         # the ceiling: launch CPU plus one preparation of the epochs' samples, over the cores
         unique = epoch * float(bound["ms_per_sample"]) / 1000
         assert float(r["ideal_with_startup_s"]) == pytest.approx((float(r["launch_cpu_s"]) + unique) / 2), r
@@ -128,21 +129,42 @@ def test_cpu_is_told_apart_by_the_process_titles_ray_gives_its_workers():
     assert cpu_by_role(before, after, 100.0) == {"prep": 2.0, "trials": 0.1, "coordinators": 0.2, "other": 0.0}
 
 
-@pytest.mark.skipif(not ProcessSampler().available, reason="no /proc to sample")
-def test_the_sampler_finds_this_process_busy_between_two_snapshots():
+def test_the_sampler_shares_cpu_by_role_between_the_snapshots_inside_a_window():
+    import threading
+
+    calls = []
+    taken = threading.Event()
+
+    def reader():  # each snapshot: the prep actor 10 ticks further, the trial 5; the 6th is the last asked for
+        calls.append(None)
+        k = len(calls)
+        if k == 6:
+            taken.set()
+        return {1: (10 * k, "prep"), 2: (5 * k, "trials")}
+
+    with ProcessSampler(interval_s=0.001, reader=reader) as sampler:
+        assert taken.wait(timeout=30), "the sampler took no snapshots"
+    stamps = [t for t, _ in sampler._snapshots]
+    assert stamps == sorted(stamps) and len(stamps) >= 6
+    shares = sampler.shares(stamps[1], stamps[4], cores=2)  # snapshots 2..5: 30 and 15 ticks
+    seconds = (stamps[4] - stamps[1]) * 2
+    ticks = os.sysconf("SC_CLK_TCK")
+    assert shares["prep"] == pytest.approx(30 / ticks / seconds) and shares["trials"] == pytest.approx(15 / ticks / seconds)
+    assert shares["coordinators"] == shares["other"] == 0
+    assert sampler.shares(stamps[-1] + 10, stamps[-1] + 20, cores=2) is None  # no snapshots there
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="no /proc to read")
+def test_proc_readings_find_this_process_and_the_cpu_it_spends():
     import hashlib
     import time
 
-    block = bytes(1 << 20)
-    with ProcessSampler(interval_s=0.02) as sampler:
-        start = time.time()
-        cpu = time.process_time()
-        while time.process_time() - cpu < 0.3:  # 0.3 s of CPU in this process ("other"); hashing
-            hashlib.sha256(block).digest()  # releases the GIL, so the sampler's thread runs meanwhile
-        end = time.time()
-    shares = sampler.shares(start, end, cores=1)
-    assert shares is not None and set(shares) == set(ROLES)
-    assert shares["other"] > 0 and shares["prep"] == shares["trials"] == shares["coordinators"] == 0
-    assert sampler.shares(end + 10, end + 20, cores=1) is None  # no snapshots there
-    busy = machine_busy_s()  # the machine's busy CPU since boot: it includes the hashing above
-    assert busy is not None and busy >= time.process_time() - cpu >= 0.3
+    before = read_processes()[os.getpid()]
+    busy = machine_busy_s()
+    cpu = time.process_time()
+    while time.process_time() - cpu < 0.3:  # 0.3 s of CPU in this process
+        hashlib.sha256(bytes(1 << 20)).digest()
+    ticks, role = read_processes()[os.getpid()]
+    assert role == "other" and before[1] == "other"
+    assert (ticks - before[0]) / os.sysconf("SC_CLK_TCK") >= 0.25  # ticks are 10 ms: allow the rounding
+    assert machine_busy_s() - busy >= 0.25  # the machine was busy at least as long as this process

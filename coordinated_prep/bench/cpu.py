@@ -16,7 +16,7 @@ import collections
 import os
 import threading
 import time
-from typing import Mapping
+from typing import Callable, Mapping
 
 ROLES = ("prep", "trials", "coordinators", "other")
 _TITLES = {"ray::PrepActor": "prep", "ray::ImplicitFunc": "trials", "ray::Coordinator": "coordinators"}
@@ -73,11 +73,13 @@ class ProcessSampler:
     to :meth:`stop` (or in a ``with`` block).
 
     Keeps at most ``keep`` snapshots (the oldest are dropped): at two a second, 4,096 cover a
-    34-minute run.
+    34-minute run. ``reader`` takes one snapshot (default :func:`read_processes`).
     """
 
-    def __init__(self, interval_s: float = 0.5, keep: int = 4096) -> None:
+    def __init__(self, interval_s: float = 0.5, keep: int = 4096,
+                 reader: Callable[[], dict[int, tuple[int, str]]] = read_processes) -> None:
         self.interval_s = interval_s
+        self._read = reader
         self.available = os.path.isdir("/proc") and hasattr(os, "sysconf")
         self._snapshots: collections.deque[Snapshot] = collections.deque(maxlen=keep)
         self._stop = threading.Event()
@@ -104,7 +106,7 @@ class ProcessSampler:
     def _run(self) -> None:
         while True:
             before = time.time()
-            found = read_processes()  # hundreds of small reads: stamped with their midpoint
+            found = self._read()  # hundreds of small reads: stamped with their midpoint
             self._snapshots.append(((before + time.time()) / 2, found))
             if self._stop.wait(self.interval_s):
                 return

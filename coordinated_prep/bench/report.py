@@ -13,7 +13,7 @@ COLUMNS = ("step", "loader", "format", "cache", "trials", "samples_per_s", "mb_p
            "vs_best_with_startup", "waited_s", "pool_start_s", "trials_started_s", "startup_s", "startup_max_s", "copied_fraction",
            "trial_cpu_ms_per_batch", "loader_cpu_ms_per_batch", "prep_cpu_s", "prep_cpu_ms_per_sample_read", "prep_work_x", "peak_staging_bytes",
            "stall_fraction", "samples", "samples_read", "window_s", "workers_per_trial", "ms_per_sample",
-           "launch_s", "launch_cpu_s", "ideal_with_startup_s", "cpu_prep_share", "cpu_trials_share",
+           "launch_s", "run_s", "launch_cpu_s", "ideal_with_startup_s", "cpu_prep_share", "cpu_trials_share",
            "cpu_coordinators_share", "cpu_other_share")
 
 

@@ -126,10 +126,11 @@ def decode_bound(cfg: BenchConfig, source: ImageFolderSource, train_ids: Any, sa
 def measure_launch(cfg: BenchConfig, trials: int) -> dict[str, Any]:
     """Tune's launch of ``trials`` trials that import what the bench trial imports and read nothing.
 
-    Row fields: ``launch_s``, from asking Tune to run to the last trial's function starting, and
-    ``launch_cpu_s``, the CPU seconds the whole machine spent meanwhile (``/proc/stat``; None
-    where it is missing). Tune starts the trials' functions together once their processes are up,
-    so every loader's time with start-up includes this launch.
+    Row fields: ``launch_s``, from asking Tune to run to the last trial's function starting;
+    ``run_s``, to ``tune.run`` returning (the trials' one report and their end added, a fraction
+    of a second); and ``launch_cpu_s``, the CPU seconds the whole machine spent over ``run_s``
+    (``/proc/stat``; None where it is missing). Tune starts the trials' functions together once
+    their processes are up, so every loader's time with start-up includes this launch.
     """
     from ray import tune
 
@@ -138,10 +139,10 @@ def measure_launch(cfg: BenchConfig, trials: int) -> dict[str, Any]:
                         config={"trial_index": tune.grid_search(list(range(trials)))}, max_concurrent_trials=trials,
                         verbose=0, raise_on_failed_trial=True, name=f"launch-{trials}",
                         storage_path=os.path.abspath(os.path.join(cfg.storage_path, cfg.name, "tune")))
+    busy1, ended = machine_busy_s(), time.time()
     launch = max(t.last_result["t_started"] for t in analysis.trials) - started
-    busy1 = machine_busy_s()
     return {"step": "launch", "loader": "none (empty trials)", "format": "-", "trials": trials, "launch_s": launch,
-            "launch_cpu_s": None if busy0 is None or busy1 is None else busy1 - busy0}
+            "run_s": ended - started, "launch_cpu_s": None if busy0 is None or busy1 is None else busy1 - busy0}
 
 
 def with_ceiling(cfg: BenchConfig, floor: dict[str, Any], bound: dict[str, Any], measured: list[dict[str, Any]],
