@@ -365,6 +365,8 @@ class Coordinator:
     def _settled_or_gone(self, trial: str, token: int, g: int) -> bool:
         if self.closed or self.fatal is not None or not self.buffer.is_current(trial, token):
             return True
+        if self.buffer.passed(trial, g):
+            return True  # a prefetch the trial skipped past: nobody may prepare it, so it ends now
         slot = self.buffer.slots.get(g)
         return slot is not None and slot.state is not SlotState.RESERVED
 

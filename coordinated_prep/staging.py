@@ -19,8 +19,13 @@ Life cycle of a piece ``g`` (the legal transitions; nothing else changes a slot)
 - A consumer leaving removes it from every slot; slots left without consumers are released as
   soon as they are no longer in flight. A consumer passing over the rest of an epoch
   (``skip_to``) leaves the slots below its new floor the same way, at once.
-- The head never rests on a piece nobody will read: after every join, leave or skip it moves up
-  to the first piece some consumer still needs (the pieces passed over are never prepared).
+- The head never rests on a piece nobody will read: after every change of the head or of a
+  consumer's range (join, leave, skip, reserve) it moves up to the first piece some consumer still
+  needs (the pieces passed over are never prepared). Moving it after ``reserve`` matters when the
+  piece just reserved was the last one a trial declared and the next reader starts further on.
+- A consumer's requests for pieces it has passed over end at once (``skip_to`` drops them): a
+  wait for a piece nobody will prepare would otherwise count it as starving and exempt it from the
+  lease.
 
 Liveness (``tests/test_staging.py`` checks it after every step of random schedules): for every
 registered consumer, production reaches its next piece without any other consumer acting, unless
@@ -159,6 +164,7 @@ class StagingBuffer:
             return []
         consumer.floor = g
         consumer.requested = max(consumer.requested, g)
+        consumer.waits = {p: n for p, n in consumer.waits.items() if p >= g}  # those requests end now
         released = self._drop(trial, lambda piece: piece < g)
         self._advance_head()
         return released
@@ -175,7 +181,7 @@ class StagingBuffer:
 
     def starving(self) -> set[str]:
         """The consumers waiting for a piece that is not staged yet."""
-        return {t for t, c in self.consumers.items() if any(g not in self.slots for g in c.waits)}
+        return {t for t, c in self.consumers.items() if any(g not in self.slots and c.covers(g) for g in c.waits)}
 
     def lease_holders(self, nbytes: int) -> set[str]:
         """Whom the lease would detach now, with ``nbytes`` the size of the head piece.
@@ -226,6 +232,7 @@ class StagingBuffer:
         self.head += 1
         self.staged_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.staged_bytes)
+        self._advance_head()  # g may have been the last piece its readers declared
         return slot
 
     def mark_ready(self, g: int, payload: Any) -> Slot | None:
@@ -289,6 +296,7 @@ class StagingBuffer:
         needed = [g for c in self.consumers.values() if (g := c.first_needed(self.head)) is not None]
         if needed:
             self.head = max(self.head, min(needed))
+
     def _settle(self, g: int, state: SlotState, payload: Any) -> Slot | None:
         slot = self.slots[g]
         if slot.state is not SlotState.RESERVED:
