@@ -151,29 +151,56 @@ def test_failed_piece_reaches_its_consumers_then_is_freed():
 
 @dataclass
 class _Trial:
+    """What the random schedule knows of a trial's loader (as ``SharedStream`` keeps it)."""
+
     start: int
-    cursor: int
     end: float = float("inf")  # a trial that declared its epochs reads pieces [start, end)
-    pieces: list[int] = field(default_factory=list)  # the pieces of its whole epochs and its current one
+    floor: int = 0  # the first piece of the epoch it reads now (it rises when it skips)
+    next_ask: int = 0  # its requests are in order: the next piece it will ask for
+    got: set[int] = field(default_factory=set)  # pieces answered to it, in its whole epochs and its current one
+
+    @property
+    def cursor(self) -> int:
+        """The next piece it reads in order."""
+        g = self.floor
+        while g in self.got:
+            g += 1
+        return g
 
 
 def _head_bytes(buf: StagingBuffer, plan: StreamPlan) -> int:
     return plan.chunk_len(buf.head) * PIECE
 
 
-def _served_alone(buf: StagingBuffer, plan: StreamPlan, trial: str, cursor: int) -> bool:
-    """Liveness: from this state, with no other trial acting, ``trial`` gets piece ``cursor``.
+def _answer(buf: StagingBuffer, plan: StreamPlan) -> list[tuple[str, int, SlotState]]:
+    """The coordinator answers every request whose piece has settled (no trial acts for this)."""
+    answered = []
+    for name, consumer in list(buf.consumers.items()):
+        for g in sorted(consumer.waits):
+            slot = buf.slots.get(g)
+            if slot is not None and slot.state is not SlotState.RESERVED and name in slot.waiting:
+                while g in consumer.waits:
+                    buf.end_wait(name, g)
+                buf.fetched(name, g, plan.chunk_len(g))
+                answered.append((name, g, slot.state))
+    return answered
 
-    Only the producer (reserve when wanted and within budget), landing pieces and the lease (which
-    may detach only other trials, and only while ``trial`` waits) act. Runs on a copy.
+
+def _served_alone(buf: StagingBuffer, plan: StreamPlan, trial: str, g: int) -> bool:
+    """Liveness: from this state, with no other trial acting, ``trial``'s request for piece ``g`` is answered.
+
+    ``trial`` has asked for every piece from its cursor to ``g`` (requests are in order). Only the
+    coordinator (answering settled requests), the producer (reserve when wanted and within budget),
+    landing pieces and the lease (which may detach only other trials, and only while ``trial``
+    waits) act. Runs on a copy.
     """
     buf = copy.deepcopy(buf)
-    in_flight = [g for g, s in buf.slots.items() if s.state is SlotState.RESERVED]
-    buf.request(trial, cursor)
+    in_flight = [s.g for s in buf.slots.values() if s.state is SlotState.RESERVED]
     for _ in range(10_000):
-        slot = buf.slots.get(cursor)
-        if slot is not None and slot.state is not SlotState.RESERVED and trial in slot.waiting:
-            return True
+        if any(name == trial and piece == g for name, piece, _ in _answer(buf, plan)):
+            return True  # its data (or its error) is there
+        if g not in buf.consumers[trial].waits:
+            return False  # its request vanished unanswered
         if in_flight:
             buf.mark_ready(in_flight.pop(), "ref")
         elif buf.wanted() and buf.fits(_head_bytes(buf, plan)):
@@ -192,21 +219,50 @@ ops = st.lists(
     st.one_of(
         st.tuples(st.just("join"), st.integers(0, 3)),
         st.tuples(st.just("join_for"), st.integers(0, 11)),  # trial arg % 4 declares arg // 4 + 1 epochs
-        st.tuples(st.just("leave"), st.integers(0, 3)),
+        st.tuples(st.just("leave"), st.integers(0, 3)),  # a close, a pause, a stop or a death
         st.tuples(st.just("produce"), st.integers(0, 0)),
         st.tuples(st.just("settle"), st.integers(0, 5)),
-        st.tuples(st.just("fetch"), st.integers(0, 3)),
-        st.tuples(st.just("skip"), st.integers(0, 3)),
+        st.tuples(st.just("fail"), st.integers(0, 5)),  # a piece whose preparation failed for good
+        st.tuples(st.just("ask"), st.integers(0, 3)),  # a fetch or a prefetch: its next piece in order
+        st.tuples(st.just("skip"), st.integers(0, 3)),  # it cuts its epoch short
         st.tuples(st.just("lease"), st.integers(0, 0)),
+        st.tuples(st.just("budget"), st.integers(1, 6)),  # the node's budget was split anew
     ),
     max_size=300,
 )
+_PREFETCH = 3  # requests a trial keeps in flight at most
+
+
+def _skip(buf: StagingBuffer, plan: StreamPlan, name: str, t: _Trial) -> None:
+    """``name`` cuts its epoch short: on to its next epoch, its requests below it dropped unread."""
+    nxt = t.floor + plan.chunks_per_epoch
+    if nxt < t.end:
+        buf.skip_to(name, buf.consumers[name].token, nxt)
+        t.got = {g for g in t.got if g < t.floor or g >= nxt}  # the cut epoch is no epoch
+        t.floor, t.next_ask = nxt, max(t.next_ask, nxt)
+
+
+def _check_step(buf: StagingBuffer, plan: StreamPlan, trials: dict[str, _Trial], op: str) -> None:
+    """Safety and liveness after one step of a random schedule."""
+    assert buf.staged_bytes == sum(s.nbytes for s in buf.slots.values())
+    if op == "reserved":  # a shrinking budget may leave more staged; a reservation never exceeds it
+        assert buf.staged_bytes <= buf.budget_bytes or len(buf.slots) == 1
+    for name, t in trials.items():
+        consumer = buf.consumers[name]
+        assert set(consumer.waits) == set(range(t.cursor, t.next_ask)) - t.got, (name, consumer.waits)
+        cursor = t.cursor
+        assert cursor >= t.end or cursor in buf.slots or cursor >= buf.head, (t, buf.head)
+        for g in range(cursor, int(min(buf.head, t.end))):  # nothing it has not read is gone
+            assert g in t.got or g in buf.slots and name in buf.slots[g].waiting, (name, g)
+        # Liveness: every request it has in flight is answered without anyone else acting.
+        for g in consumer.waits:
+            assert _served_alone(buf, plan, name, g), f"{name} stranded at piece {g} (head {buf.head})"
 
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, n=st.integers(1, 40), chunk=st.integers(1, 6), segments=st.integers(1, 6),
        budget=st.integers(1, 6), lookahead=st.integers(1, 4), seed=st.integers(0, 3))
-def test_exactly_once_and_freeing_under_random_schedules(ops, n, chunk, segments, budget, lookahead, seed):
+def test_exactly_once_freeing_and_liveness_under_random_schedules(ops, n, chunk, segments, budget, lookahead, seed):
     ids = np.arange(n) * 3 + 1
     plan = StreamPlan(ids, seed, chunk, segments)
     buf = _buffer(plan, budget, lookahead)
@@ -216,70 +272,98 @@ def test_exactly_once_and_freeing_under_random_schedules(ops, n, chunk, segments
     bound = 0
     for op, arg in ops:
         name = f"t{arg % 4}"
+        t = trials.get(name)
         if op in ("join", "join_for"):
-            if name in trials:
+            if t is not None:
                 finished.append(trials.pop(name))  # a re-join (retry) starts a fresh consumer
             pieces = (arg // 4 + 1) * plan.chunks_per_epoch if op == "join_for" else None
             _, start = buf.join(name, pieces)
             assert plan.is_join_point(start)
-            trials[name] = _Trial(start, start, float("inf") if pieces is None else start + pieces)
-        elif op == "leave" and name in trials:
+            trials[name] = _Trial(start, float("inf") if pieces is None else start + pieces, start, start)
+        elif op == "leave" and t is not None:
             buf.leave(name)
             finished.append(trials.pop(name))
-        elif op == "produce" and buf.wanted() and buf.fits(plan.chunk_len(buf.head) * PIECE):
-            in_flight.append(buf.reserve(plan.chunk_len(buf.head) * PIECE).g)
-        elif op == "settle" and in_flight:
-            buf.mark_ready(in_flight.pop(arg % len(in_flight)), "ref")
-        elif op == "fetch" and name in trials and trials[name].cursor < trials[name].end:
-            t = trials[name]
-            buf.request(name, t.cursor)
-            slot = buf.slots.get(t.cursor)
-            if slot is not None and slot.state is SlotState.READY:
-                buf.end_wait(name, t.cursor)
-                buf.fetched(name, t.cursor, plan.chunk_len(t.cursor))
-                t.pieces.append(t.cursor)
-                t.cursor += 1
-        elif op == "skip" and name in trials:  # the trial cuts its epoch short: on to its next epoch
-            t = trials[name]
-            nxt = t.start + ((t.cursor - t.start) // plan.chunks_per_epoch + 1) * plan.chunks_per_epoch
-            if nxt < t.end:
-                buf.skip_to(name, buf.consumers[name].token, nxt)
-                del t.pieces[len(t.pieces) - (t.cursor - t.start) % plan.chunks_per_epoch:]  # not a whole epoch
-                t.cursor = nxt
+        elif op == "produce" and buf.wanted() and buf.fits(_head_bytes(buf, plan)):
+            in_flight.append(buf.reserve(_head_bytes(buf, plan)).g)
+            op = "reserved"
+        elif op in ("settle", "fail") and in_flight:
+            g = in_flight.pop(arg % len(in_flight))
+            buf.mark_ready(g, "ref") if op == "settle" else buf.mark_failed(g, RuntimeError("bad sample"))
+        elif op == "ask" and t is not None and t.next_ask < min(t.end, t.cursor + _PREFETCH):
+            assert buf.needs(name, t.next_ask)
+            buf.request(name, t.next_ask)
+            t.next_ask += 1
+        elif op == "skip" and t is not None:
+            _skip(buf, plan, name, t)
         elif op == "lease":  # the lease ran out (the coordinator's timer): the holders are detached
             for held in buf.lease_holders(_head_bytes(buf, plan)):
                 buf.leave(held)
                 finished.append(trials.pop(held))
-        # Invariants after every step.
-        assert buf.staged_bytes == sum(s.nbytes for s in buf.slots.values())
-        assert buf.staged_bytes <= buf.budget_bytes or len(buf.slots) == 1
+        elif op == "budget":
+            buf.set_budget(arg * PIECE)
+        for who, g, state in _answer(buf, plan):
+            if state is SlotState.FAILED:  # the trial receives the error, fails, and Tune ends it
+                buf.leave(who)
+                finished.append(trials.pop(who))
+            elif who in trials:
+                trials[who].got.add(g)
         # Production stays within the lookahead of what some trial asked for, or where one starts.
         bound = max(bound, buf.demand + buf.lookahead, max((c.floor for c in buf.consumers.values()), default=0))
         assert buf.head <= bound
-        # Every trial's next unread piece is staged or still to be produced (never skipped), and
-        # (liveness) production reaches it without any other trial acting.
-        for tname, t in trials.items():
-            assert t.cursor >= t.end or t.cursor in buf.slots or t.cursor >= buf.head, (t, buf.head)
-            if t.cursor < t.end:
-                assert _served_alone(buf, plan, tname, t.cursor), f"{tname} stranded at piece {t.cursor}"
-        for tname, t in trials.items():  # nothing a current consumer has not read is gone
-            for g in range(t.cursor, int(min(buf.head, t.end))):
-                assert g in buf.slots and tname in buf.slots[g].waiting, (tname, g)
+        _check_step(buf, plan, trials, op)
     # Every trial's completed epochs hold every sample exactly once.
     for t in finished + list(trials.values()):
-        epochs = [t.pieces[k * plan.chunks_per_epoch : (k + 1) * plan.chunks_per_epoch]
-                  for k in range(len(t.pieces) // plan.chunks_per_epoch)]
-        firsts = [p[0] for p in epochs]
-        assert all(p == list(range(p[0], p[0] + plan.chunks_per_epoch)) for p in epochs)
-        assert all((f - t.start) % plan.chunks_per_epoch == 0 for f in firsts), "epochs start on epoch boundaries"
-        if epochs:
-            assert_exactly_once([np.concatenate([plan.chunk_samples(g) for g in e]) for e in epochs], ids)
+        k = 0
+        while t.start + (k + 1) * plan.chunks_per_epoch <= t.end:
+            epoch = range(t.start + k * plan.chunks_per_epoch, t.start + (k + 1) * plan.chunks_per_epoch)
+            if all(g in t.got for g in epoch):
+                assert_exactly_once([np.concatenate([plan.chunk_samples(g) for g in epoch])], ids)
+            elif any(g in t.got for g in epoch) and k < (max(t.got) - t.start) // plan.chunks_per_epoch:
+                raise AssertionError(f"a partial epoch {k} before a later one: {sorted(t.got)}")
+            k += 1
+            if k > 50:
+                break
     # Everything is freed once every trial has left and every piece has landed.
     for name in list(trials):
         buf.leave(name)
     for g in in_flight:
         buf.mark_ready(g, "ref")
     assert not buf.slots and buf.staged_bytes == 0
+
+
+def test_a_declared_end_does_not_strand_a_trial_that_skipped_past_it():
+    """Issue 22's reproduction: A's declared end is reached by a reservation while B waits further on."""
+    plan = StreamPlan(np.arange(64), 0, chunk_size=4, segments=2)  # 16 pieces an epoch, join points 0 and 8
+    buf = _buffer(plan, 100)
+    buf.join("A", pieces=16)
+    for _ in range(12):
+        buf.mark_ready(buf.reserve(PIECE).g, "ref")
+    for g in range(8):
+        buf.fetched("A", g, 4)
+    token, start = buf.join("B")
+    assert start == 8
+    for g in range(8, 11):
+        buf.fetched("B", g, 4)
+    buf.skip_to("B", token, 24)
+    buf.request("B", 24)
+    while buf.wanted() and buf.head < 16:
+        buf.mark_ready(buf.reserve(PIECE).g, "ref")
+    assert buf.head == 24 and buf.wanted(), "production moves on to B's piece, A still registered"
+
+
+def test_a_skip_ends_the_requests_it_passed_over():
+    plan = StreamPlan(np.arange(64), 0, chunk_size=4, segments=4)
+    buf = _buffer(plan, 2, lookahead=4)
+    fast, _ = buf.join("fast")
+    slow, _ = buf.join("slow")
+    for g in range(2):
+        buf.mark_ready(buf.reserve(PIECE).g, "ref")
+        buf.fetched("slow", g, 4)
+    buf.request("slow", 2)  # a prefetch it will pass over
+    buf.skip_to("slow", slow, 16)
+    assert buf.consumers["slow"].waits == {} and "slow" not in buf.starving()
+    buf.request("slow", 16)
+    assert buf.lease_holders(PIECE) == {"fast"}, "fast holds the budget while slow waits past its skip"
 
 
 def test_a_trial_that_declares_its_epochs_gets_nothing_past_them():
