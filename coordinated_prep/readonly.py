@@ -14,6 +14,12 @@ protecting them never touches another object's bytes. The trial restores the pag
 when its last view of the piece is collected (before Ray may reuse the memory), counting
 protections per page range because one piece may be mapped more than once (a resident evaluation
 piece read at every epoch).
+
+Locking: the release runs as a ``weakref.finalize`` callback, which a garbage collection may start
+on any thread at any allocation, also inside this module's own locked code or the ``mprotect``
+call. So no lock is held across ``mprotect``, and a release never waits for the lock: it queues its
+range and applies it only if it can take the lock at once; otherwise whoever holds the lock applies
+it on the way out (it looks at the queue again after letting go). No thread ever waits on itself.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import faulthandler
 import functools
 import logging
 import mmap
+import queue
 import threading
 import weakref
 
@@ -32,8 +39,9 @@ logger = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
 _PROT_READ, _PROT_WRITE = 0x1, 0x2
-_lock = threading.Lock()
+_lock = threading.Lock()  # guards _held; never held across mprotect, never waited on by a release
 _held: dict[tuple[int, int], int] = {}  # (page-aligned start, length) -> live mappings of it in this process
+_released: queue.SimpleQueue = queue.SimpleQueue()  # ranges whose mapping was collected, not yet counted down
 _warned = False
 
 
@@ -68,23 +76,49 @@ def protect(images: np.ndarray) -> bool:
     end = -(-(images.__array_interface__["data"][0] + images.nbytes) // PAGE) * PAGE
     key = (start, end - start)
     with _lock:
-        if _held.get(key, 0) == 0 and not _mprotect(start, end - start, _PROT_READ):
-            return False
+        first = _held.get(key, 0) == 0
         _held[key] = _held.get(key, 0) + 1
+    _apply_releases()
+    # Outside the lock: a collection inside the call may run releases. A release of this range
+    # cannot come before ours is registered below, as this function holds the buffer.
+    if first and not _mprotect(start, end - start, _PROT_READ):
+        _release(key)
+        return False
     weakref.finalize(base, _release, key)  # runs before the buffer goes back to Ray
     return True
 
 
 def _release(key: tuple[int, int]) -> None:
-    with _lock:
-        _held[key] -= 1
-        if _held[key] == 0:
-            del _held[key]
-            _mprotect(key[0], key[1], _PROT_READ | _PROT_WRITE)
+    """A mapping of ``key`` was collected: count it down (now, or by the lock's holder)."""
+    _released.put(key)  # SimpleQueue.put is safe inside a finalizer, even re-entered on one thread
+    _apply_releases()
+
+
+def _apply_releases() -> None:
+    """Count down the queued releases if the lock is free; restore write access to ranges left unheld."""
+    while not _released.empty():
+        if not _lock.acquire(blocking=False):
+            return  # its holder looks at the queue again after letting go
+        writable = []
+        try:
+            while True:
+                try:
+                    key = _released.get_nowait()
+                except queue.Empty:
+                    break
+                _held[key] -= 1
+                if _held[key] == 0:
+                    del _held[key]
+                    writable.append(key)
+        finally:
+            _lock.release()
+        for start, length in writable:
+            _mprotect(start, length, _PROT_READ | _PROT_WRITE)
 
 
 def protected_ranges() -> int:
     """Page ranges this process holds read-only now (for tests and diagnostics)."""
+    _apply_releases()
     with _lock:
         return len(_held)
 

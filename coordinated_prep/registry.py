@@ -6,6 +6,16 @@ CoordinatedSearcher (driver) -> GroupRegistry -> NodePool per node (prep actors,
 GroupRegistry -> EvalSet per evaluation pipeline -> resident evaluation pieces (until shutdown);
 GroupRegistry -> RawCache per node (when the sweep has a cache) -> cached samples;
 GroupRegistry -> the index of each ImageFolder per node (until shutdown; see sources/shared_index.py).
+
+Membership (who keeps a group's coordinator alive) is kept per group key, apart from the coordinator
+itself, and changes only under the key's lock, in one step per trial:
+
+- ``group_for`` makes the trial a member *before* any await (the liveness check, the coordinator's
+  start), so a completion in that window cannot empty the group under a starting trial; a failed
+  start takes back only the membership it added.
+- ``trial_done`` takes the same lock, so it waits for a start in progress, and destroys the
+  coordinator only if no member is left. Members outlive a coordinator that died, so the completion
+  of a dead member never destroys the replacement that its retried peers are building.
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ import asyncio
 import copy
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -50,10 +60,8 @@ class _Group:
     spec: DataSpec
     node: str
     actor: Any
-    trials: set[str] = field(default_factory=set)
 
 
-@ray.remote(num_cpus=0, max_concurrency=1000)
 class GroupRegistry:
     """Starts a prep pool on every node, and a group's coordinator on a node when the group's first
     trial there joins; destroys the coordinator when the last one there leaves.
@@ -62,6 +70,9 @@ class GroupRegistry:
     own node; every coordinator of a node shares that node's prep pool and splits its staging
     budget evenly with the node's other groups. With a cache, the registry starts one cache actor
     on every node alive when the first group starts. :meth:`shutdown` destroys all of it.
+
+    Plain Python: :data:`RegistryActor` runs it as the sweep's actor, and tests drive it on a plain
+    asyncio loop with fake actor handles (``tests/test_registry.py``).
 
     Args:
         session: The searcher's session id, part of every actor name.
@@ -79,7 +90,8 @@ class GroupRegistry:
         self._pools: dict[str, NodePool] = {}
         self._starting: dict[str, asyncio.Task] = {}
         self._groups: dict[str, _Group] = {}
-        self._trial_groups: dict[str, set[str]] = {}
+        self._members: dict[str, set[str]] = {}  # group key -> its member trials (see the module docstring)
+        self._trial_groups: dict[str, set[str]] = {}  # trial -> the keys of the groups it is a member of
         self._finished: dict[str, dict[str, Any]] = {}
         self._incarnation = itertools.count()
         self._locks: dict[str, asyncio.Lock] = {}
@@ -103,21 +115,32 @@ class GroupRegistry:
 
     async def group_for(self, spec: DataSpec, trial: str, node: str | None = None) -> Any:
         """The coordinator of ``spec``'s group on node ``node`` (default: the registry's), created if
-        needed or if the one there died; ``trial`` becomes a member (a trial may be in several groups)."""
+        needed or if the one there died; ``trial`` becomes a member (a trial may be in several groups).
+
+        Raises:
+            PrepError, DatasetError: The group could not be started (the trial is then no member).
+        """
         node = node or ray.get_runtime_context().get_node_id()
         key = f"{spec.group_key}@{node[:12]}"
-        async with self._locks.setdefault(key, asyncio.Lock()):  # one check-and-start per group at a time
-            group = self._groups.get(key)
-            if group is not None and not await _alive(group.actor):
-                logger.warning("data group %s: its coordinator died; starting a new one", key)
-                del self._groups[key]
-                _merge(self._finished, spec.group_key, {"coordinator_failures": 1}, spec)
-                group = None
-            if group is None:
-                group = await self._start_group(key, spec, node)
-        group.trials.add(trial)
-        self._trial_groups.setdefault(trial, set()).add(key)
-        return group.actor
+        async with self._lock(key):  # one check-and-start per group at a time, and no completion inside it
+            members = self._members.setdefault(key, set())
+            added = trial not in members
+            members.add(trial)  # before any await: see the module docstring
+            self._trial_groups.setdefault(trial, set()).add(key)
+            try:
+                group = self._groups.get(key)
+                if group is not None and not await _alive(group.actor):
+                    logger.warning("data group %s: its coordinator died; starting a new one", key)
+                    del self._groups[key]
+                    _merge(self._finished, spec.group_key, {"coordinator_failures": 1}, spec)
+                    group = None
+                if group is None:
+                    group = await self._start_group(key, spec, node)
+            except BaseException:
+                if added:
+                    self._forget(trial, key)
+                raise
+            return group.actor
 
     async def folder_index(self, root: str, node: str) -> list[ray.ObjectRef]:
         """The index of ImageFolder ``root`` on ``node``, walked once per sweep and node (in a list:
@@ -134,20 +157,21 @@ class GroupRegistry:
         return [await asyncio.shield(self._folder_indexes[key])]
 
     async def trial_done(self, trial: str) -> None:
-        """``trial`` ended for good: it leaves its groups, and an empty group is destroyed."""
-        for key in self._trial_groups.pop(trial, set()):
-            group = self._groups.get(key)
-            if group is None:
-                continue
-            group.trials.discard(trial)
-            if group.trials:
-                try:
-                    await asyncio.wait_for(group.actor.leave_trial.remote(trial), _CALL_TIMEOUT_S)
-                except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
-                    logger.warning("data group %s: trial %s could not leave cleanly: %r", key, trial, e)
-                continue
-            del self._groups[key]  # before any await, so a concurrent join starts a fresh group
-            await self._destroy(key, group)
+        """``trial`` ended for good: it leaves its groups, and a group left with no member is destroyed."""
+        for key in sorted(self._trial_groups.get(trial, set())):
+            async with self._lock(key):  # waits for a start in progress (see the module docstring)
+                self._forget(trial, key)
+                group = self._groups.get(key)
+                if group is None:
+                    continue
+                if self._members.get(key):
+                    try:
+                        await asyncio.wait_for(group.actor.leave_trial.remote(trial), _CALL_TIMEOUT_S)
+                    except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
+                        logger.warning("data group %s: trial %s could not leave cleanly: %r", key, trial, e)
+                    continue
+                del self._groups[key]
+                await self._destroy(key, group)
             await self._split(group.node)
 
     async def eval_plan(self, spec: DataSpec, trial: str, node: str | None = None) -> dict[str, Any]:
@@ -159,7 +183,7 @@ class GroupRegistry:
         """
         node = node or ray.get_runtime_context().get_node_id()
         key = eval_key(spec)
-        async with self._locks.setdefault(key, asyncio.Lock()):  # one preparation per pipeline
+        async with self._lock(key):  # one preparation per pipeline
             if key not in self._evals:
                 self._evals[key] = await self._start_eval(key, spec, node)
         found = self._evals[key]
@@ -233,6 +257,22 @@ class GroupRegistry:
         self._caches.clear()
 
     # -- internals ---------------------------------------------------------------------------
+    def _lock(self, key: str) -> asyncio.Lock:
+        return self._locks.setdefault(key, asyncio.Lock())
+
+    def _forget(self, trial: str, key: str) -> None:
+        """``trial`` is no longer a member of group ``key`` (no await: one step)."""
+        members = self._members.get(key)
+        if members is not None:
+            members.discard(trial)
+            if not members:
+                del self._members[key]
+        keys = self._trial_groups.get(trial)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._trial_groups[trial]
+
     async def _start_group(self, key: str, spec: DataSpec, node: str) -> _Group:
         pool = await self._pool(node)
         name = f"coordprep-{self.session}-{spec.group_key}-{node[:8]}-{next(self._incarnation)}"
@@ -352,6 +392,10 @@ class GroupRegistry:
             self._cache_start = asyncio.ensure_future(start_caches(self._cache_spec, self._layout))
         self._caches = await asyncio.shield(self._cache_start)
         return self._layout, self._cache_spec
+
+
+RegistryActor = ray.remote(num_cpus=0, max_concurrency=1000)(GroupRegistry)
+"""The registry as the sweep's Ray actor (created by the searcher; one per sweep)."""
 
 
 async def _alive(actor: Any) -> bool:

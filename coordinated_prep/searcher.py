@@ -13,7 +13,7 @@ from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.naming import NAMESPACE, registry_name
 from coordinated_prep.pool.spec import PoolSpec
-from coordinated_prep.registry import GroupRegistry
+from coordinated_prep.registry import RegistryActor
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ class CoordinatedSearcher(SearchAlgorithm):
         # restored searcher finds its twin's registry (get_if_exists). It lives on the driver's node,
         # as long as the driver.
         job = self.session = context.get_job_id()
-        registry = GroupRegistry.options(
+        registry = RegistryActor.options(
             name=registry_name(job), namespace=NAMESPACE, get_if_exists=True,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=context.get_node_id(), soft=False),
         ).remote(job, self._cache, self._pool)

@@ -117,11 +117,7 @@ class SharedStream:
         self._trial = consumer
         self._fallback: PrivateStream | None = None  # set when the lease detaches this trial
         self._timeout = spec.fetch_timeout_s
-        registry = find_registry(trial)
-        node = ray.get_runtime_context().get_node_id()  # the group's coordinator on this node serves it
-        self._coordinator = self._call(registry.group_for.remote(spec, trial, node), "finding its data group")
-        process = this_process(ray.get_runtime_context().get_actor_id())  # watched: a paused trial's process ends
-        info = self._call(self._coordinator.join.remote(consumer, epochs, process), "joining its data group")
+        info = self._join(trial, epochs)
         self.start: int = info["start"]
         self.chunks_per_epoch: int = info["chunks_per_epoch"]
         self.samples_per_epoch: int = info["samples_per_epoch"]
@@ -134,6 +130,26 @@ class SharedStream:
         self._prefetch = max(1, prefetch)
         self._pending: collections.deque[tuple[int, ray.ObjectRef]] = collections.deque()
         self._closed = False
+
+    def _join(self, trial: str, epochs: int | None) -> dict[str, Any]:
+        """Find the group's coordinator on this node and join it; once more if it died in between.
+
+        The registry replaces a dead coordinator when asked again, so a death between the two
+        calls costs one retry, not the trial.
+        """
+        registry = find_registry(trial)
+        node = ray.get_runtime_context().get_node_id()  # the group's coordinator on this node serves it
+        process = this_process(ray.get_runtime_context().get_actor_id())  # watched: a paused trial's process ends
+        for attempt in (1, 2):
+            self._coordinator = self._call(registry.group_for.remote(self._spec, trial, node), "finding its data group")
+            try:
+                return self._call(self._coordinator.join.remote(self._trial, epochs, process), "joining its data group")
+            except PrepError as e:
+                if attempt == 2 or not isinstance(e.__cause__, ray.exceptions.RayActorError):
+                    raise
+                logger.warning("trial %s: its data group's coordinator died as it joined; asking for a new one",
+                               self._trial)
+        raise AssertionError("unreachable")
 
     @property
     def position(self) -> int:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import gc
 import pickle
+import threading
 
 import numpy as np
 import pytest
 
 from coordinated_prep.batching import batched
 from coordinated_prep.chunk import PreparedChunk
+from coordinated_prep import readonly
 from coordinated_prep.readonly import PAGE, padded_base, padded_empty, protect, protected_ranges
 
 
@@ -55,6 +57,43 @@ def test_protect_maps_the_pages_read_only_until_the_last_view_is_gone():
     del views
     gc.collect()
     assert _writable(inside) and protected_ranges() == 0, "released once the last view was collected"
+
+
+def test_a_collection_inside_mprotect_releases_a_piece_and_returns(monkeypatch):
+    """A garbage collection starting inside the ctypes call frees a protected piece held in a cycle:
+    its release runs on the same thread, inside protect(). It must count down and return, not hang."""
+    real = readonly._mprotect_call()
+    collected: list[int] = []
+
+    class _CollectingLibc:
+        def mprotect(self, start: int, length: int, prot: int) -> int:
+            collected.append(gc.collect())  # as if the allocator had started a collection here
+            return real.mprotect(start, length, prot)
+
+    before = protected_ranges()
+    old = _piece()
+    assert protect(old.images)
+    cycle: list = [old.images.base]
+    cycle.append(cycle)  # only the cycle collector frees it
+    old_address = old.images.__array_interface__["data"][0]
+    del old
+    monkeypatch.setattr(readonly, "_mprotect_call", lambda: _CollectingLibc())
+    new = _piece()
+    worker = threading.Thread(target=protect, args=(new.images,), daemon=True)
+    gc.disable()  # the only collection is the one inside mprotect
+    try:
+        cycle = None  # noqa: F841 (the cycle is now garbage, freed by the collection inside mprotect)
+        worker.start()
+        worker.join(timeout=60)
+    finally:
+        gc.enable()
+    assert not worker.is_alive(), "protect() deadlocked on a release run by a collection inside mprotect"
+    # Two calls: protecting the new piece, whose collection freed the old one, and (nested inside it,
+    # so listed first) restoring the old piece's pages, where a collection already running finds nothing.
+    assert len(collected) == 2 and collected[1] > 0, collected
+    assert protected_ranges() == before + 1, "the old piece was counted down, the new one is held"
+    assert not _writable(new.images.__array_interface__["data"][0])
+    assert old_address not in {start for start, _ in readonly._held}
 
 
 def test_an_unpadded_array_is_left_alone():
