@@ -256,3 +256,51 @@ def test_an_epoch_cut_short_is_passed_over_and_the_next_ones_are_exact(ray_sessi
     # Nothing past the trials' declared 3 epochs, and the rest of the cut epoch was not all prepared.
     assert report["samples_prepared"] < 3 * report["samples_per_epoch"] + spec.chunk_size * 8, report
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
+
+
+def straggler(config: dict) -> None:
+    """``fast`` reads three whole epochs; ``slow`` cuts its first epoch short after one batch (a
+    fixed number of steps per epoch), reads one batch of the next and then stalls, holding its place,
+    until ``fast`` is done."""
+    trial = tune.get_context().get_trial_id()
+    if config["role"] == "fast":
+        loader = train_loader(config, batch_size=8, epochs=3)
+        ray.get(_gate("cut").wait_open.remote(120), timeout=150)
+        for epoch in range(3):
+            _save(config["out"], trial, epoch, list(loader), loader)
+        ray.get(_gate("fast-done").open.remote(), timeout=60)
+        return
+    loader = train_loader(config, batch_size=8, epochs=3, prefetch=6)  # more requests in flight than the budget
+    for _ in loader:
+        break  # the rest of epoch 0, and the requests it had in flight, are passed over
+    ray.get(_gate("cut").open.remote(), timeout=60)
+    batches = []
+    for batch in loader:
+        batches.append(batch)
+        if len(batches) == 1:  # a long evaluation: it holds its unread pieces while fast waits
+            ray.get(_gate("fast-done").wait_open.remote(150), timeout=180)
+    _save(config["out"], trial, 0, batches, loader)
+
+
+def test_a_straggler_that_cuts_its_epochs_short_is_detached_within_the_lease(ray_session, small_dataset, tmp_path):
+    baseline = plasma_objects()
+    # fetch_timeout_s is far below the straggler's stall: fast finishes only if the lease (1 s)
+    # detaches the straggler; a straggler the lease spared would fail fast's fetch after 60 s.
+    spec = _spec(small_dataset, staging_bytes=3 * PIECE, lease_s=1.0, fetch_timeout_s=60)
+    gates = [Gate.options(name=n, namespace="coordinated_prep").remote() for n in ("cut", "fast-done")]
+    searcher = CoordinatedSearcher()
+    analysis = tune.run(tune.with_resources(straggler, {"cpu": 0.25}), search_alg=searcher, verbose=0,
+                        config={"data": spec, "role": tune.grid_search(["fast", "slow"]), "out": str(tmp_path)})
+    [report] = searcher.group_reports().values()
+    searcher.close()
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    assert report["evictions"] == 1, report
+    records = load_records(str(tmp_path))
+    by_role = {t.config["role"]: records[t.trial_id] for t in analysis.trials}
+    check_trial_records(spec, by_role["fast"], 8, "fast")
+    assert all(int(e["private_samples"]) == 0 for e in by_role["fast"]), "fast stayed in its group"
+    check_trial_records(spec, by_role["slow"], 8, "slow")  # its epoch: shared, then its own after the detach
+    assert int(by_role["slow"][0]["private_samples"]) > 0, "the straggler prepared the rest itself"
+    for gate in gates:
+        ray.kill(gate)
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
