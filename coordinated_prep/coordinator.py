@@ -40,6 +40,7 @@ from coordinated_prep.errors import PrepError
 from coordinated_prep.plan import stream_plan
 from coordinated_prep.sources import open_source
 from coordinated_prep.sources.fingerprint import Fingerprint, index_fingerprint
+from coordinated_prep.sources.shared_index import remember
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.staging import SlotState, StagingBuffer
 from coordinated_prep.watch import Process, ProcessWatch, trial_of
@@ -58,9 +59,14 @@ class Coordinator:
         name: The actor's own name, used in error messages.
         actors: The node's prep actors (the registry's), shared with the node's other groups.
         budget_bytes: The group's share of the node's staging budget (the registry may change it).
+        index: The sweep's index of the dataset on this node (an ImageFolder's), resolved by Ray
+            before this runs, so that opening the dataset here makes no blocking ``ray.get`` (in an
+            async actor it blocks the event loop); None: the dataset is opened as anywhere else.
     """
 
-    def __init__(self, spec: DataSpec, name: str, actors: list[Any], budget_bytes: int) -> None:
+    def __init__(self, spec: DataSpec, name: str, actors: list[Any], budget_bytes: int, index: Any = None) -> None:
+        if index is not None:
+            remember(index)
         self.spec = spec
         self.name = name
         self.plan = stream_plan(len(open_source(spec.dataset)), spec.seed, spec.holdout, spec.chunk_size,
@@ -217,7 +223,7 @@ class Coordinator:
 
     async def fingerprint(self) -> Fingerprint:
         """The fingerprint of this node's copy of the dataset's index (compared across nodes)."""
-        return index_fingerprint(open_source(self.spec.dataset), self.spec.dataset)
+        return await asyncio.to_thread(index_fingerprint, open_source(self.spec.dataset), self.spec.dataset)
 
     async def report(self) -> dict[str, Any]:
         """Counters for the sweep summary and tests."""
