@@ -80,11 +80,15 @@ class Coordinator:
         self.in_flight = 0
         self.tasks: dict[int, ray.ObjectRef] = {}  # piece -> its prep task's timing reference, while in flight
         self.changed = asyncio.Condition()
-        self.watch = ProcessWatch(lambda t, k: self.buffer.is_current(t, k) and not self.closed, self._released)
+        self.watch = ProcessWatch(lambda t, k: (self.buffer.is_current(t, k) or self.evicted.get(t) == k)
+                                  and not self.closed, self._released)  # a detached trial's process too
         self.closed = False
         self.fatal: BaseException | None = None  # an unexpected producer failure, re-raised to every trial
         self.blocked_since: float | None = None  # since when the lease has been running (see lease_holders)
-        self.evicted: dict[str, int] = {}  # trial -> token of the incarnation the lease detached
+        # consumer -> token of the incarnation the lease detached (the latest per consumer), until that
+        # consumer leaves, re-joins, its process ends, or Tune reports its trial over: bounded by the
+        # detached consumers still running
+        self.evicted: dict[str, int] = {}
         self.skipped: set[int] = set()  # samples left out under on_error="skip" (bounded by the dataset)
         self.producer: asyncio.Task | None = None
         self.settling: set[asyncio.Task] = set()  # strong references: asyncio keeps only weak ones
@@ -201,6 +205,8 @@ class Coordinator:
         """Unregister every consumer of Tune trial ``trial`` (each of its loaders)."""
         for consumer in [c for c in self.buffer.consumers if trial_of(c) == trial]:
             await self.leave(consumer)
+        for consumer in [c for c in self.evicted if trial_of(c) == trial]:
+            del self.evicted[consumer]  # detached earlier: not a consumer any more, but remembered
 
     async def skip_to(self, trial: str, token: int, g: int) -> None:
         """``trial`` (incarnation ``token``) passes over its pieces below ``g``: one call, no waiting."""
@@ -210,6 +216,9 @@ class Coordinator:
 
     async def _released(self, trial: str, token: int) -> None:
         """The watch saw ``trial``'s process end: it leaves now, not when the lease runs out."""
+        if self.evicted.get(trial) == token:  # a detached trial's process ended: nothing to answer it any more
+            del self.evicted[trial]
+            return
         self.buffer.leave(trial, token)
         self.stats["released_dead"] += 1
         await self._notify()
@@ -231,7 +240,7 @@ class Coordinator:
         stall = time.monotonic() - self.blocked_since if self.blocked_since is not None else 0.0
         return dict(self.stats, stall_s=self.stats["stall_s"] + stall, staged_bytes=self.buffer.staged_bytes,
                     peak_staged_bytes=self.buffer.peak_bytes, head=self.buffer.head, consumers=trials,
-                    in_flight=self.in_flight)
+                    in_flight=self.in_flight, detached=sorted(self.evicted))
 
     async def close(self, drain_timeout_s: float = 10.0) -> None:
         """Stop producing, let in-flight pieces land (bounded), drop every piece (the pool lives on)."""
