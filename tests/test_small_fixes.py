@@ -67,3 +67,32 @@ def test_a_group_start_allows_time_per_file_and_names_the_dataset_and_the_fix(mo
         asyncio.run(found._check_index("/nfs/imagenet/train", "node-7", Silent(), 0))
     message = str(error.value)
     assert "/nfs/imagenet/train" in message and "node-7" in message and "coordprep convert" in message
+
+
+def test_a_loader_dropped_without_close_leaves_its_group(ray_session, small_dataset):
+    import gc
+
+    from coordinated_prep import CoordinatedSearcher
+    from coordinated_prep.loader import TrainLoader
+    from coordinated_prep.streams import SharedStream
+    from tests.conftest import settled
+
+    spec = DataSpec(dataset=small_dataset, pipeline={"size": 16}, chunk_size=8)
+    searcher = CoordinatedSearcher()
+    searcher.start()
+    try:
+        kept = TrainLoader(SharedStream(spec, "t1", "t1", 8), 8)  # this one stays
+        dropped = TrainLoader(SharedStream(spec, "t1", "t1#2", 8), 8)
+        coordinator = kept._stream._coordinator
+
+        def consumers() -> list[str]:
+            return sorted(ray_session.get(coordinator.report.remote(), timeout=30)["consumers"])
+
+        assert consumers() == ["t1", "t1#2"]
+        del dropped  # never closed
+        gc.collect()
+        assert settled(consumers, ["t1"]) == ["t1"], "the dropped loader's consumer left its group"
+        kept.close()
+        assert settled(consumers, []) == []
+    finally:
+        searcher.close()
