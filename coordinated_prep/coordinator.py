@@ -103,6 +103,7 @@ class Coordinator:
         }
         self.group = spec.group_key
         metrics.set_gauge("staging_budget_bytes", budget_bytes, group=self.group)
+        metrics.declare_group(self.group)  # exported at 0 from the start: the dashboard shows 0, not "No data"
 
     # -- trial-facing API -------------------------------------------------------------------
     async def join(self, trial: str, epochs: int | None = None, process: Process | None = None) -> dict[str, Any]:

@@ -100,6 +100,11 @@ class RawCache:
                                       "misses": 0, "coalesced": 0, "storage_reads": 0, "storage_bytes": 0}
         self.tags = {"node": node[:16]}
         metrics.set_gauge("cache_capacity_bytes", capacity, **self.tags)
+        for where in ("local", "remote"):  # every counter at 0 from the start, not after its first event
+            metrics.declare("cache_hits", **self.tags, where=where)
+        metrics.declare("cache_misses", **self.tags)
+        for reader in ("cache", "prep"):
+            metrics.declare("storage_reads", **self.tags, reader=reader)
 
     async def ready(self) -> str | None:
         """None once the arena is reserved; else why it could not be (the cache is unusable)."""
