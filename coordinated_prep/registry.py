@@ -93,6 +93,7 @@ class GroupRegistry:
         self._indexes: dict[str, tuple[str, Fingerprint]] = {}  # dataset -> (first node, its index's fingerprint)
         self._evals: dict[str, EvalSet] = {}  # eval_key -> the held-out split prepared for the sweep
         self._eval_turn = itertools.count()  # round robin of evaluation pieces over a pool's actors
+        self._eval_watches: set[asyncio.Task] = set()  # strong references to _eval_settled tasks
         self._folder_indexes: dict[tuple[str, str], asyncio.Future] = {}  # (root, node) -> its index's reference
 
     async def start(self) -> dict[str, int]:
@@ -170,6 +171,11 @@ class GroupRegistry:
             if key not in self._evals:
                 self._evals[key] = await self._start_eval(key, spec, node)
         found = self._evals[key]
+        for i in sorted(found.failed):  # a failed resident piece is not kept: prepared again for this one
+            found.failed.discard(i)
+            found.refs[i] = self._prepare_eval(found, i, resident=True)
+            found.samples_prepared += len(found.pieces[i])
+            metrics.inc("eval_samples_prepared", len(found.pieces[i]), pipeline=key)
         plan = found.plan()
         found.evaluations += 1
         found.samples_served += plan["samples"]
@@ -183,7 +189,7 @@ class GroupRegistry:
         indices = found.pieces[i]
         found.samples_prepared += len(indices)
         metrics.inc("eval_samples_prepared", len(indices), pipeline=key)
-        return {"ref": self._prepare_eval(found, indices)}
+        return {"ref": self._prepare_eval(found, i, resident=False)}
 
     async def eval_reports(self) -> dict[str, dict[str, Any]]:
         """Per evaluation pipeline: held-out samples, resident pieces, prepared against served."""
@@ -360,7 +366,7 @@ class GroupRegistry:
         allowance = int(pool.budget_bytes * self._pool_spec.eval_fraction) - self._eval_bytes(node)
         per_sample = spec.pipeline.sample_bytes  # type: ignore[union-attr]
         resident = resident_prefix([len(p) * per_sample for p in found.pieces], max(allowance, 0))
-        found.refs = [self._prepare_eval(found, p) for p in found.pieces[:resident]]
+        found.refs = [self._prepare_eval(found, i, resident=True) for i in range(resident)]
         prepared = sum(len(p) for p in found.pieces[:resident])
         found.samples_prepared += prepared
         metrics.inc("eval_samples_prepared", prepared, pipeline=key)
@@ -370,10 +376,35 @@ class GroupRegistry:
             await self._split(node)  # the node's groups share what the resident pieces leave
         return found
 
-    def _prepare_eval(self, found: EvalSet, indices: Any) -> ray.ObjectRef:
-        """Submit one evaluation piece to its node's pool; the registry owns the result."""
+    def _prepare_eval(self, found: EvalSet, i: int, resident: bool) -> ray.ObjectRef:
+        """Submit evaluation piece ``i`` to its node's pool; the registry owns the result. Its skipped
+        samples are counted and logged, and a failed ``resident`` piece is marked to prepare again,
+        when the task ends (:meth:`_eval_settled`)."""
         actors = self._pools[found.node].actors
-        return actors[next(self._eval_turn) % len(actors)].prepare_eval.remote(found.spec, indices)
+        actor = actors[next(self._eval_turn) % len(actors)]
+        skipped, piece = actor.prepare_eval.options(num_returns=2).remote(found.spec, found.pieces[i])
+        task = asyncio.get_running_loop().create_task(self._eval_settled(found, i, skipped, resident))
+        self._eval_watches.add(task)
+        task.add_done_callback(self._eval_watches.discard)
+        return piece
+
+    async def _eval_settled(self, found: EvalSet, i: int, skipped_ref: ray.ObjectRef, resident: bool) -> None:
+        """Count and log (once per sample) what piece ``i`` skipped; mark a failed resident piece."""
+        try:
+            skipped = await skipped_ref
+        except Exception as e:  # the reading trials get the error itself, naming the file
+            if resident and self._evals.get(found.key) is found:
+                found.failed.add(i)
+            metrics.inc("errors", 1, group=found.key, kind="failed_piece")
+            logger.warning("evaluation set %s: piece %d failed%s: %s", found.key, i,
+                           " (it is prepared again at the next evaluation)" if resident else "", e)
+            return
+        for index, path, reason in skipped:
+            if index not in found.skipped:
+                found.skipped[index] = path
+                metrics.inc("errors", 1, group=found.key, kind="skipped_sample")
+                logger.warning("evaluation set %s: skipping held-out sample %d (%s): %s", found.key, index, path,
+                               reason)
 
     async def _split(self, node: str, except_key: str | None = None) -> None:
         """Tell every coordinator of ``node`` its share of the node's budget (after a group came or went)."""
