@@ -21,6 +21,20 @@ Life cycle of a prepared piece ``g``:
 5. *Freed*: when the last consumer fetched it, left, passed over it, or was detached by the lease,
    the coordinator drops its reference; Ray frees the memory once the trials drop theirs too.
 
+What the budget bounds, and what it does not: the bytes a group's coordinator holds (reserved
+and prepared pieces not yet fetched by all their readers) stay within its share of the node's
+staging budget, but the node's object store can hold more at once, by at most:
+(1) per trial, the pieces it has fetched and still maps: the piece being cut, up to ``prefetch``
+answered requests ahead (default two batches' worth, at least two pieces), and the pieces its echo
+buffer's samples lie in (``buffer`` samples, default 4 batches' worth, taken in stream order: at
+most ceil(``buffer`` / ``chunk_size``) + 1 pieces); (2) after the registry shrinks a group's share (another group joined the node), the
+pieces staged above the new share, until their readers fetch them (nothing new is reserved until
+the group is under it again): at most the old share minus the new; (3) resident evaluation pieces,
+carved out of the node's budget (``pool.eval_fraction``, 0.5), so they take budget from the groups
+rather than adding to it, plus per evaluating trial the streamed evaluation piece being read and
+``STREAM_AHEAD`` (2) requested ahead; (4) one piece larger than the whole share, which ``reserve``
+lets through when nothing else is staged.
+
 A consumer leaves when its loader closes, when Tune reports its trial complete (the registry),
 as soon as its trial's process ends (a paused, stopped or dead trial: the coordinator watches each
 consumer's process, ``watch.py``), or when the lease detaches it.
