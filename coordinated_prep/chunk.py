@@ -146,23 +146,39 @@ def prepare_chunk(
     return chunk, ChunkTiming(fetch_s, transform_s, tuple(skipped))
 
 
-def eval_chunk(source: DataSource, preprocessor: Preprocessor, indices: np.ndarray) -> PreparedChunk:
+def eval_chunk(source: DataSource, preprocessor: Preprocessor, indices: np.ndarray,
+               on_error: Literal["raise", "skip"] = "raise",
+               skipped: list[tuple[int, str, str]] | None = None) -> PreparedChunk:
     """Read, decode, resize and centre-crop the held-out samples ``indices`` (deterministic; epoch -1).
 
+    With ``on_error="skip"`` a sample that cannot be read or decoded is left out of the piece and
+    appended to ``skipped`` as (index, path, reason), as :func:`prepare_chunk` does for training.
+
     Raises:
-        SampleError: A sample's file cannot be read or decoded; names the index and the file.
+        SampleError: With ``on_error="raise"``, a sample's file cannot be read or decoded; names the
+            index and the file.
     """
-    images: np.ndarray | None = None
-    for k, index in enumerate(indices.tolist()):
-        data = source.read(index)
+    rows: list[np.ndarray] = []
+    kept: list[int] = []
+    for index in indices.tolist():
         try:
-            image = preprocessor.eval(data)
-        except Exception as e:  # decoders raise RuntimeError/ValueError/OSError: name the file
-            raise SampleError(index, source.describe(index), f"cannot decode or transform: {e}") from e
-        if images is None:
-            images = padded_empty((len(indices), *image.shape))
+            data = source.read(index)
+            try:
+                image = preprocessor.eval(data)
+            except Exception as e:  # decoders raise RuntimeError/ValueError/OSError: name the file
+                raise SampleError(index, source.describe(index), f"cannot decode or transform: {e}") from e
+        except SampleError as error:
+            if on_error == "raise":
+                raise
+            if skipped is not None:
+                skipped.append((error.index, error.path, error.reason))
+            continue
+        rows.append(image)
+        kept.append(index)
+    ids = np.asarray(kept, dtype=np.int64)
+    if not rows:  # no samples: nothing to protect
+        return PreparedChunk(np.empty((0, 3, 0, 0), dtype=np.uint8), source.labels[ids], ids, -1)
+    images = padded_empty((len(rows), *rows[0].shape))
+    for k, image in enumerate(rows):
         images[k] = image
-    ids = np.asarray(indices, dtype=np.int64)
-    if images is None:  # no samples: nothing to protect
-        images = np.empty((0, 3, 0, 0), dtype=np.uint8)
     return PreparedChunk(images, source.labels[ids], ids, -1)

@@ -21,6 +21,20 @@ Life cycle of a prepared piece ``g``:
 5. *Freed*: when the last consumer fetched it, left, passed over it, or was detached by the lease,
    the coordinator drops its reference; Ray frees the memory once the trials drop theirs too.
 
+What the budget bounds, and what it does not: the bytes a group's coordinator holds (reserved
+and prepared pieces not yet fetched by all their readers) stay within its share of the node's
+staging budget, but the node's object store can hold more at once, by at most:
+(1) per trial, the pieces it has fetched and still maps: the piece being cut, up to ``prefetch``
+answered requests ahead (default two batches' worth, at least two pieces), and the pieces its echo
+buffer's samples lie in (``buffer`` samples, default 4 batches' worth, taken in stream order: at
+most ceil(``buffer`` / ``chunk_size``) + 1 pieces); (2) after the registry shrinks a group's share (another group joined the node), the
+pieces staged above the new share, until their readers fetch them (nothing new is reserved until
+the group is under it again): at most the old share minus the new; (3) resident evaluation pieces,
+carved out of the node's budget (``pool.eval_fraction``, 0.5), so they take budget from the groups
+rather than adding to it, plus per evaluating trial the streamed evaluation piece being read and
+``STREAM_AHEAD`` (2) requested ahead; (4) one piece larger than the whole share, which ``reserve``
+lets through when nothing else is staged.
+
 A consumer leaves when its loader closes, when Tune reports its trial complete (the registry),
 as soon as its trial's process ends (a paused, stopped or dead trial: the coordinator watches each
 consumer's process, ``watch.py``), or when the lease detaches it.
@@ -40,6 +54,7 @@ from coordinated_prep.errors import PrepError
 from coordinated_prep.plan import stream_plan
 from coordinated_prep.sources import open_source
 from coordinated_prep.sources.fingerprint import Fingerprint, index_fingerprint
+from coordinated_prep.sources.shared_index import remember
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.staging import SlotState, StagingBuffer
 from coordinated_prep.watch import Process, ProcessWatch, trial_of
@@ -58,9 +73,14 @@ class Coordinator:
         name: The actor's own name, used in error messages.
         actors: The node's prep actors (the registry's), shared with the node's other groups.
         budget_bytes: The group's share of the node's staging budget (the registry may change it).
+        index: The sweep's index of the dataset on this node (an ImageFolder's), resolved by Ray
+            before this runs, so that opening the dataset here makes no blocking ``ray.get`` (in an
+            async actor it blocks the event loop); None: the dataset is opened as anywhere else.
     """
 
-    def __init__(self, spec: DataSpec, name: str, actors: list[Any], budget_bytes: int) -> None:
+    def __init__(self, spec: DataSpec, name: str, actors: list[Any], budget_bytes: int, index: Any = None) -> None:
+        if index is not None:
+            remember(index)
         self.spec = spec
         self.name = name
         self.plan = stream_plan(len(open_source(spec.dataset)), spec.seed, spec.holdout, spec.chunk_size,
@@ -74,11 +94,15 @@ class Coordinator:
         self.in_flight = 0
         self.tasks: dict[int, ray.ObjectRef] = {}  # piece -> its prep task's timing reference, while in flight
         self.changed = asyncio.Condition()
-        self.watch = ProcessWatch(lambda t, k: self.buffer.is_current(t, k) and not self.closed, self._released)
+        self.watch = ProcessWatch(lambda t, k: (self.buffer.is_current(t, k) or self.evicted.get(t) == k)
+                                  and not self.closed, self._released)  # a detached trial's process too
         self.closed = False
         self.fatal: BaseException | None = None  # an unexpected producer failure, re-raised to every trial
         self.blocked_since: float | None = None  # since when the lease has been running (see lease_holders)
-        self.evicted: dict[str, int] = {}  # trial -> token of the incarnation the lease detached
+        # consumer -> token of the incarnation the lease detached (the latest per consumer), until that
+        # consumer leaves, re-joins, its process ends, or Tune reports its trial over: bounded by the
+        # detached consumers still running
+        self.evicted: dict[str, int] = {}
         self.skipped: set[int] = set()  # samples left out under on_error="skip" (bounded by the dataset)
         self.producer: asyncio.Task | None = None
         self.settling: set[asyncio.Task] = set()  # strong references: asyncio keeps only weak ones
@@ -93,6 +117,7 @@ class Coordinator:
         }
         self.group = spec.group_key
         metrics.set_gauge("staging_budget_bytes", budget_bytes, group=self.group)
+        metrics.declare_group(self.group)  # exported at 0 from the start: the dashboard shows 0, not "No data"
 
     # -- trial-facing API -------------------------------------------------------------------
     async def join(self, trial: str, epochs: int | None = None, process: Process | None = None) -> dict[str, Any]:
@@ -195,6 +220,8 @@ class Coordinator:
         """Unregister every consumer of Tune trial ``trial`` (each of its loaders)."""
         for consumer in [c for c in self.buffer.consumers if trial_of(c) == trial]:
             await self.leave(consumer)
+        for consumer in [c for c in self.evicted if trial_of(c) == trial]:
+            del self.evicted[consumer]  # detached earlier: not a consumer any more, but remembered
 
     async def skip_to(self, trial: str, token: int, g: int) -> None:
         """``trial`` (incarnation ``token``) passes over its pieces below ``g``: one call, no waiting."""
@@ -204,6 +231,9 @@ class Coordinator:
 
     async def _released(self, trial: str, token: int) -> None:
         """The watch saw ``trial``'s process end: it leaves now, not when the lease runs out."""
+        if self.evicted.get(trial) == token:  # a detached trial's process ended: nothing to answer it any more
+            del self.evicted[trial]
+            return
         self.buffer.leave(trial, token)
         self.stats["released_dead"] += 1
         await self._notify()
@@ -217,7 +247,7 @@ class Coordinator:
 
     async def fingerprint(self) -> Fingerprint:
         """The fingerprint of this node's copy of the dataset's index (compared across nodes)."""
-        return index_fingerprint(open_source(self.spec.dataset), self.spec.dataset)
+        return await asyncio.to_thread(index_fingerprint, open_source(self.spec.dataset), self.spec.dataset)
 
     async def report(self) -> dict[str, Any]:
         """Counters for the sweep summary and tests."""
@@ -225,7 +255,7 @@ class Coordinator:
         stall = time.monotonic() - self.blocked_since if self.blocked_since is not None else 0.0
         return dict(self.stats, stall_s=self.stats["stall_s"] + stall, staged_bytes=self.buffer.staged_bytes,
                     peak_staged_bytes=self.buffer.peak_bytes, head=self.buffer.head, consumers=trials,
-                    in_flight=self.in_flight)
+                    in_flight=self.in_flight, detached=sorted(self.evicted))
 
     async def close(self, drain_timeout_s: float = 10.0) -> None:
         """Stop producing, let in-flight pieces land (bounded), drop every piece (the pool lives on)."""

@@ -13,7 +13,9 @@ Life cycle of an evaluation piece (the registry keeps it, :mod:`coordinated_prep
    submits those to the node's prep pool at once. The registry owns the resulting objects.
 2. Every trial (the first included) gets the resident pieces' references and reads them in order;
    each read is a zero-copy view of the object store. Resident pieces stay until the sweep ends
-   (the registry's shutdown), so later trials and epochs prepare nothing.
+   (the registry's shutdown), so later trials and epochs prepare nothing. A resident piece whose
+   preparation failed (an actor lost for good; a bad sample under ``on_error="raise"``) is not kept:
+   the registry prepares it again for the next evaluation that asks.
 3. A piece past the resident prefix is streamed: prepared on request, in order, a bounded number
    ahead of the reader, and freed when the reading trial drops it.
 """
@@ -70,6 +72,8 @@ class EvalSet:
         samples_prepared: Samples prepared so far (resident once, streamed ones at every read).
         samples_served: Samples handed to trials (the whole split per evaluation).
         evaluations: Evaluations served (one per ``eval_loader`` pass of a trial).
+        skipped: Held-out samples left out under ``on_error="skip"``: index -> path.
+        failed: Resident pieces whose preparation failed, to prepare again at the next plan.
     """
 
     key: str
@@ -80,6 +84,8 @@ class EvalSet:
     samples_prepared: int = 0
     samples_served: int = 0
     evaluations: int = 0
+    skipped: dict[int, str] = field(default_factory=dict)
+    failed: set[int] = field(default_factory=set)
 
     @property
     def resident_bytes(self) -> int:
@@ -98,4 +104,5 @@ class EvalSet:
                 "samples": int(sum(len(p) for p in self.pieces)), "pieces": len(self.pieces),
                 "resident_pieces": len(self.refs), "resident_bytes": self.resident_bytes,
                 "evaluations": self.evaluations, "samples_prepared": self.samples_prepared,
-                "samples_served": self.samples_served}
+                "samples_served": self.samples_served, "samples_skipped": len(self.skipped),
+                "skipped_files": sorted(self.skipped.values())}

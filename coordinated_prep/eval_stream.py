@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 from typing import Iterator
 
 import ray
@@ -16,6 +17,8 @@ from coordinated_prep.sources import open_source
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.streams import fetch, find_registry
 
+logger = logging.getLogger(__name__)
+
 
 def private_eval_pieces(spec: DataSpec) -> Iterator[PreparedChunk]:
     """The held-out split in index order, prepared in this process (unshared, or outside Tune)."""
@@ -23,7 +26,10 @@ def private_eval_pieces(spec: DataSpec) -> Iterator[PreparedChunk]:
     preprocessor = make_preprocessor(spec.pipeline)  # type: ignore[arg-type]
     _, held = holdout_split(len(source), spec.holdout)
     for indices in eval_pieces(held, piece_size(spec.chunk_size, len(held))):
-        yield eval_chunk(source, preprocessor, indices)
+        skipped: list[tuple[int, str, str]] = []
+        yield eval_chunk(source, preprocessor, indices, spec.on_error, skipped)
+        for index, path, reason in skipped:  # on_error="skip": left out of this evaluation
+            logger.warning("evaluation: skipping held-out sample %d (%s): %s", index, path, reason)
 
 
 def shared_eval_pieces(spec: DataSpec, trial: str) -> Iterator[PreparedChunk]:

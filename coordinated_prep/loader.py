@@ -64,6 +64,7 @@ class TrainLoader:
         self.epochs = epochs
         self.data_wait_s = 0.0  # seconds spent blocked in this loader, all epochs together
         self._tags = dict(tags or {"group": "-", "trial": "-"})
+        metrics.declare_trial(self._tags.get("group", "-"), self._tags.get("trial", "-"))  # at 0 from the start
         self.epoch = 0
         self.samples_per_epoch = stream.samples_per_epoch  # fresh samples per epoch
         self.echo = echo or EchoSpec()

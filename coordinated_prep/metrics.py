@@ -28,7 +28,10 @@ metrics export port (Ray adds its ``ray_`` prefix there; counters gain ``_total`
 | ``coordprep_eval_samples_served`` | counter | pipeline | registry: held-out samples handed to trials' evaluations |
 
 Metric objects are created lazily in the process that records them, and recording never
-raises: metrics are an observer, not a dependency. Each process exports on Ray's report interval
+raises: metrics are an observer, not a dependency. A counter appears on the endpoint only once a
+process records it, so every counter the dashboard draws is declared at 0 where its series begins
+(:func:`declare`: the coordinator per group, the loader per trial, the node cache per node): on a
+healthy sweep the error and echo panels show 0, not "No data". Each process exports on Ray's report interval
 (``metrics_report_interval_ms``), so what a trial records in its last interval before its process
 exits may never reach the endpoint; the coordinator's counters are complete while it lives.
 """
@@ -89,6 +92,35 @@ def inc(name: str, value: float, **tags: str) -> None:
         _metric(name).inc(value, tags=tags)
     except Exception as e:  # never let observability break training
         logger.debug("metric %s not recorded: %s", name, e)
+
+
+def declare(name: str, **tags: str) -> None:
+    """Export counter ``name`` (without the prefix) for ``tags`` at 0 now, before any increment."""
+    try:
+        _metric(name)._record(0, tags=tags)  # Counter.inc refuses 0; a record of 0 creates the series
+    except Exception as e:
+        logger.debug("metric %s not declared: %s", name, e)
+
+
+#: The ``kind`` values of ``errors``, each declared at 0 per group.
+ERROR_KINDS = ("skipped_sample", "failed_piece", "lease_detached")
+#: The counters a trial's loader records (tags ``group``, ``trial``).
+TRIAL_COUNTERS = ("data_wait_seconds", "batches", "fresh_samples", "echoed_samples")
+
+
+def declare_group(group: str) -> None:
+    """Declare at 0 the counters a coordinator records for ``group``."""
+    declare("samples_prepared", group=group)
+    for stage in ("fetch", "decode_augment", "put"):
+        declare("prep_seconds", group=group, stage=stage)
+    for kind in ERROR_KINDS:
+        declare("errors", group=group, kind=kind)
+
+
+def declare_trial(group: str, trial: str) -> None:
+    """Declare at 0 the counters of ``trial`` in ``group`` (its loader's, and what it is served)."""
+    for name in (*TRIAL_COUNTERS, "samples_served"):
+        declare(name, group=group, trial=trial)
 
 
 def set_gauge(name: str, value: float, **tags: str) -> None:

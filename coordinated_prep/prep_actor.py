@@ -70,17 +70,22 @@ class PrepActor:
         source, _ = self._source(spec.dataset)
         return holdout_split(len(source), spec.holdout)[1]
 
-    def prepare_eval(self, spec: DataSpec, indices: np.ndarray) -> PreparedChunk:
+    def prepare_eval(self, spec: DataSpec, indices: np.ndarray) -> tuple[tuple[tuple[int, str, str], ...], PreparedChunk]:
         """Prepare held-out samples for evaluation: decode, resize, centre crop (no randomness).
 
         The same function per sample as an unshared trial's ``eval_loader``, so the bytes are equal.
+        Called with ``num_returns=2``: the samples left out under ``on_error="skip"`` (index, path,
+        reason), small, for the registry to count and log; and the piece.
 
         Raises:
-            SampleError: A sample cannot be read or decoded; names the index and the file.
+            SampleError: With ``on_error="raise"``, a sample cannot be read or decoded; names the
+                index and the file.
         """
         source, _ = self._source(spec.dataset)
         preprocessor = self._preprocessor(spec.pipeline)  # type: ignore[arg-type]
-        return eval_chunk(source, preprocessor, indices)
+        skipped: list[tuple[int, str, str]] = []
+        chunk = eval_chunk(source, preprocessor, indices, spec.on_error, skipped)
+        return tuple(skipped), chunk
 
     def _source(self, dataset: str) -> tuple[DataSource, CachedSource | None]:
         if dataset not in self._sources:

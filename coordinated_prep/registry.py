@@ -35,12 +35,13 @@ from coordinated_prep.cache.layout import CacheLayout
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.cache.start import start_caches
 from coordinated_prep.coordinator import Coordinator
-from coordinated_prep.errors import PrepError
+from coordinated_prep.errors import DatasetError, PrepError
 from coordinated_prep.eval_set import EvalSet, eval_key, eval_pieces, resident_prefix
 from coordinated_prep.naming import NAMESPACE
 from coordinated_prep.plan import piece_size
 from coordinated_prep.pool.node import NodePool, node_table
 from coordinated_prep.pool.spec import PoolSpec, split_budget
+from coordinated_prep.sources import folder_root
 from coordinated_prep.sources.fingerprint import Fingerprint, check_same_index
 from coordinated_prep.sources.shared_index import walk
 from coordinated_prep.spec import DataSpec
@@ -48,6 +49,12 @@ from coordinated_prep.spec import DataSpec
 logger = logging.getLogger(__name__)
 
 _CALL_TIMEOUT_S = 30.0
+#: A group's start on a node waits for the node's index of the dataset (a walk of an ImageFolder
+#: tree, once per node) and then for the coordinator to fingerprint it, which stats every file: the
+#: second bound grows with the files, ``_CALL_TIMEOUT_S`` plus this much per file (5 ms: an
+#: ImageNet-sized tree, 1.28 M files, is allowed 1.8 h on a network filesystem answering slowly).
+_STAT_S_PER_FILE = 0.005
+_WALK_TIMEOUT_S = 3600.0  # the walk itself (readdir only), once per dataset and node
 _LIVENESS_TIMEOUT_S = 10.0
 _KEPT_INCARNATIONS = 50  # per group, the most recent coordinators' own counters kept in reports
 _SUMMED = ("samples_prepared", "samples_served", "pieces_prepared", "pieces_failed", "trials_joined",
@@ -98,6 +105,7 @@ class GroupRegistry:
         self._indexes: dict[str, tuple[str, Fingerprint]] = {}  # dataset -> (first node, its index's fingerprint)
         self._evals: dict[str, EvalSet] = {}  # eval_key -> the held-out split prepared for the sweep
         self._eval_turn = itertools.count()  # round robin of evaluation pieces over a pool's actors
+        self._eval_watches: set[asyncio.Task] = set()  # strong references to _eval_settled tasks
         self._folder_indexes: dict[tuple[str, str], asyncio.Future] = {}  # (root, node) -> its index's reference
 
     async def start(self) -> dict[str, int]:
@@ -187,6 +195,11 @@ class GroupRegistry:
             if key not in self._evals:
                 self._evals[key] = await self._start_eval(key, spec, node)
         found = self._evals[key]
+        for i in sorted(found.failed):  # a failed resident piece is not kept: prepared again for this one
+            found.failed.discard(i)
+            found.refs[i] = self._prepare_eval(found, i, resident=True)
+            found.samples_prepared += len(found.pieces[i])
+            metrics.inc("eval_samples_prepared", len(found.pieces[i]), pipeline=key)
         plan = found.plan()
         found.evaluations += 1
         found.samples_served += plan["samples"]
@@ -200,7 +213,7 @@ class GroupRegistry:
         indices = found.pieces[i]
         found.samples_prepared += len(indices)
         metrics.inc("eval_samples_prepared", len(indices), pipeline=key)
-        return {"ref": self._prepare_eval(found, indices)}
+        return {"ref": self._prepare_eval(found, i, resident=False)}
 
     async def eval_reports(self) -> dict[str, dict[str, Any]]:
         """Per evaluation pipeline: held-out samples, resident pieces, prepared against served."""
@@ -275,14 +288,15 @@ class GroupRegistry:
 
     async def _start_group(self, key: str, spec: DataSpec, node: str) -> _Group:
         pool = await self._pool(node)
+        index, files = await self._coordinator_index(spec.dataset, node)
         name = f"coordprep-{self.session}-{spec.group_key}-{node[:8]}-{next(self._incarnation)}"
         group = self._groups[key] = _Group(spec, node, None)
         group.actor = Coordinator.options(
             name=name, namespace=NAMESPACE,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-        ).remote(spec, name, pool.actors, self._share(node, key, pool))
+        ).remote(spec, name, pool.actors, self._share(node, key, pool), index)  # Ray resolves the index first
         try:
-            await self._check_index(spec.dataset, node, group.actor)
+            await self._check_index(spec.dataset, node, group.actor, files)
         except Exception:
             del self._groups[key]
             ray.kill(group.actor)
@@ -291,16 +305,64 @@ class GroupRegistry:
         await self._split(node, except_key=key)
         return group
 
-    async def _check_index(self, dataset: str, node: str, coordinator: Any) -> None:
+    async def _check_index(self, dataset: str, node: str, coordinator: Any, files: int = 0) -> None:
         """Refuse a node whose copy of ``dataset`` indexes other samples than the first node's.
+
+        The coordinator's start and its fingerprint (a ``stat`` of each of the ``files`` files) are
+        allowed :func:`start_bound_s` seconds.
 
         Raises:
             DatasetError: Naming the dataset, both nodes and what differs (caches and coordinators of
-                different nodes exchange samples by index).
+                different nodes exchange samples by index); or naming the dataset, the node and the
+                fix when the start ran past its bound.
         """
-        found = await asyncio.wait_for(coordinator.fingerprint.remote(), _CALL_TIMEOUT_S)
+        timeout = start_bound_s(files)
+        try:
+            found = await asyncio.wait_for(coordinator.fingerprint.remote(), timeout)
+        except asyncio.TimeoutError:
+            raise DatasetError(
+                f"dataset {dataset!r}: the data group's coordinator on node {node} did not open the dataset and stat "
+                f"its {files} files within {timeout:.0f}s ({_STAT_S_PER_FILE * 1e3:.0f} ms per file allowed): its "
+                "filesystem answers slower than that. Copy the dataset to a local disk, or convert it to Parquet "
+                f"records (`coordprep convert {dataset} <dir>`, then use <dir>: a start then stats one file per "
+                "shard)") from None
         first_node, first = self._indexes.setdefault(dataset, (node, found))
         check_same_index(dataset, first_node, first, node, found)
+
+    async def _coordinator_index(self, dataset: str, node: str) -> tuple[Any, int]:
+        """``node``'s index of ``dataset`` if it is an ImageFolder, as a reference to pass to its new
+        coordinator (Ray resolves it before the coordinator starts, so the coordinator, an async
+        actor, makes no blocking ``ray.get``), and the number of files (0 where unknown).
+
+        (None, 0) for a Parquet dataset (no walk). A ``builtin:`` dataset on another node is found
+        (generated if missing) by a zero-CPU task there: each node has its own copy.
+
+        Raises:
+            DatasetError: The walk found no usable ImageFolder, or took longer than its bound.
+        """
+        try:
+            if dataset.startswith("builtin:") and node != ray.get_runtime_context().get_node_id():
+                affinity = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+                root = await asyncio.wait_for(ray.remote(num_cpus=0, max_retries=0)(folder_root).options(
+                    scheduling_strategy=affinity).remote(dataset), _WALK_TIMEOUT_S)
+            else:
+                root = await asyncio.to_thread(folder_root, dataset)
+        except asyncio.TimeoutError:
+            raise DatasetError(f"dataset {dataset!r}: node {node} did not generate it within {_WALK_TIMEOUT_S:.0f}s; "
+                               "check that node's disk (COORDPREP_CACHE)") from None
+        if root is None:
+            return None, 0
+        try:
+            [ref] = await asyncio.wait_for(self.folder_index(root, node), _WALK_TIMEOUT_S)
+            index = await asyncio.wait_for(ref, _WALK_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise DatasetError(
+                f"dataset {dataset!r}: walking its folders on node {node} took longer than {_WALK_TIMEOUT_S:.0f}s; "
+                f"copy it to a local disk, or convert it to Parquet records (`coordprep convert {dataset} <dir>`)"
+            ) from None
+        except ray.exceptions.RayTaskError as e:
+            raise (e.cause if isinstance(e.cause, DatasetError) else e) from None
+        return ref, len(index)
 
     async def _pool(self, node: str) -> NodePool:
         """The node's prep pool, started (once, concurrent callers share the start) and ready."""
@@ -344,7 +406,7 @@ class GroupRegistry:
         allowance = int(pool.budget_bytes * self._pool_spec.eval_fraction) - self._eval_bytes(node)
         per_sample = spec.pipeline.sample_bytes  # type: ignore[union-attr]
         resident = resident_prefix([len(p) * per_sample for p in found.pieces], max(allowance, 0))
-        found.refs = [self._prepare_eval(found, p) for p in found.pieces[:resident]]
+        found.refs = [self._prepare_eval(found, i, resident=True) for i in range(resident)]
         prepared = sum(len(p) for p in found.pieces[:resident])
         found.samples_prepared += prepared
         metrics.inc("eval_samples_prepared", prepared, pipeline=key)
@@ -354,10 +416,35 @@ class GroupRegistry:
             await self._split(node)  # the node's groups share what the resident pieces leave
         return found
 
-    def _prepare_eval(self, found: EvalSet, indices: Any) -> ray.ObjectRef:
-        """Submit one evaluation piece to its node's pool; the registry owns the result."""
+    def _prepare_eval(self, found: EvalSet, i: int, resident: bool) -> ray.ObjectRef:
+        """Submit evaluation piece ``i`` to its node's pool; the registry owns the result. Its skipped
+        samples are counted and logged, and a failed ``resident`` piece is marked to prepare again,
+        when the task ends (:meth:`_eval_settled`)."""
         actors = self._pools[found.node].actors
-        return actors[next(self._eval_turn) % len(actors)].prepare_eval.remote(found.spec, indices)
+        actor = actors[next(self._eval_turn) % len(actors)]
+        skipped, piece = actor.prepare_eval.options(num_returns=2).remote(found.spec, found.pieces[i])
+        task = asyncio.get_running_loop().create_task(self._eval_settled(found, i, skipped, resident))
+        self._eval_watches.add(task)
+        task.add_done_callback(self._eval_watches.discard)
+        return piece
+
+    async def _eval_settled(self, found: EvalSet, i: int, skipped_ref: ray.ObjectRef, resident: bool) -> None:
+        """Count and log (once per sample) what piece ``i`` skipped; mark a failed resident piece."""
+        try:
+            skipped = await skipped_ref
+        except Exception as e:  # the reading trials get the error itself, naming the file
+            if resident and self._evals.get(found.key) is found:
+                found.failed.add(i)
+            metrics.inc("errors", 1, group=found.key, kind="failed_piece")
+            logger.warning("evaluation set %s: piece %d failed%s: %s", found.key, i,
+                           " (it is prepared again at the next evaluation)" if resident else "", e)
+            return
+        for index, path, reason in skipped:
+            if index not in found.skipped:
+                found.skipped[index] = path
+                metrics.inc("errors", 1, group=found.key, kind="skipped_sample")
+                logger.warning("evaluation set %s: skipping held-out sample %d (%s): %s", found.key, index, path,
+                               reason)
 
     async def _split(self, node: str, except_key: str | None = None) -> None:
         """Tell every coordinator of ``node`` its share of the node's budget (after a group came or went)."""
@@ -396,6 +483,11 @@ class GroupRegistry:
 
 RegistryActor = ray.remote(num_cpus=0, max_concurrency=1000)(GroupRegistry)
 """The registry as the sweep's Ray actor (created by the searcher; one per sweep)."""
+
+
+def start_bound_s(files: int) -> float:
+    """Seconds a group's coordinator may take to start on a node and fingerprint ``files`` files."""
+    return _CALL_TIMEOUT_S + files * _STAT_S_PER_FILE
 
 
 async def _alive(actor: Any) -> bool:

@@ -27,6 +27,10 @@ Life cycle of a piece ``g`` (the legal transitions; nothing else changes a slot)
   wait for a piece nobody will prepare would otherwise count it as starving and exempt it from the
   lease.
 
+The budget bounds the bytes of the slots here (``staged_bytes``), not every byte the node's object
+store holds for the group's trials: fetched pieces the trials still map, a share that shrank below
+what is staged, and evaluation pieces come on top (the coordinator's docstring states by how much).
+
 Liveness (``tests/test_staging.py`` checks it after every step of random schedules): for every
 registered consumer, production reaches its next piece without any other consumer acting, unless
 the budget is full of settled pieces that other, live consumers have not fetched; then

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import weakref
 from typing import Any, Protocol
 
 import ray
@@ -130,6 +131,11 @@ class SharedStream:
         self._prefetch = max(1, prefetch)
         self._pending: collections.deque[tuple[int, ray.ObjectRef]] = collections.deque()
         self._closed = False
+        # A loader dropped without close() leaves its group when it is collected: one call sent, not
+        # awaited (a finalizer may run anywhere, under any lock), and none at interpreter exit (the
+        # coordinator's watch releases a trial whose process ends).
+        self._finalizer = weakref.finalize(self, _leave_unawaited, self._coordinator, consumer, self._token)
+        self._finalizer.atexit = False
 
     def _join(self, trial: str, epochs: int | None) -> dict[str, Any]:
         """Find the group's coordinator on this node and join it; once more if it died in between.
@@ -229,6 +235,7 @@ class SharedStream:
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         self._pending.clear()
         try:
             ray.get(self._coordinator.leave.remote(self._trial, self._token), timeout=30)
@@ -237,6 +244,14 @@ class SharedStream:
 
     def _call(self, ref: ray.ObjectRef, doing: str, timeout: float | None = None) -> Any:
         return fetch(ref, self._trial, doing, timeout or self._timeout)
+
+
+def _leave_unawaited(coordinator: Any, consumer: str, token: int) -> None:
+    """Tell ``coordinator`` that ``consumer`` (incarnation ``token``) leaves, without waiting for it."""
+    try:
+        coordinator.leave.remote(consumer, token)
+    except Exception as e:  # Ray shut down already: the coordinator's watch or the registry releases it
+        logger.debug("consumer %s could not leave %r at collection: %r", consumer, coordinator, e)
 
 
 def find_registry(trial: str) -> Any:

@@ -190,3 +190,54 @@ def test_the_dashboard_names_only_metrics_a_real_sweep_exports(ray_session, tmp_
     path = install()
     assert os.path.basename(path) == FILE_NAME and os.path.dirname(path).endswith(os.path.join("grafana", "dashboards"))
     assert json.load(open(path))["uid"] == "coordprep"
+
+
+def _panel_series() -> dict[str, set[str]]:
+    """Per ``ray_coordprep_*`` name on the endpoint now, the label sets (as text) of its samples, zeros included."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=10).read().decode()
+    found: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("ray_coordprep_"):
+                found.setdefault(s.name, set()).add(repr(sorted((k, v) for k, v in s.labels.items()
+                                                                if k in ("group", "kind", "trial", "node"))))
+    return found
+
+
+def test_the_dashboards_panels_have_series_zeros_included_on_a_sweep_with_no_errors_and_no_echo(ray_session, tmp_path):
+    from coordinated_prep.dashboard import dashboard, metric_names
+    from coordinated_prep.metrics import ERROR_KINDS
+    from tests.utils import make_imagefolder
+
+    root = make_imagefolder(str(tmp_path / "data"), classes=2, per_class=20)  # every file readable
+    spec = DataSpec(dataset=root, pipeline={"size": 16}, seed=3, chunk_size=8)
+    seen: dict[str, set[str]] = {}
+
+    def collect() -> None:
+        for name, labels in _panel_series().items():
+            seen.setdefault(name, set()).update(labels)
+
+    wanted = metric_names(dashboard())
+    searcher = CoordinatedSearcher(cache=CacheSpec("8MiB"))
+    with polling(collect):  # gauges leave with their actors: collect as it runs
+        try:
+            analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}),
+                                config={"data": spec, "batch_size": 8, "epochs": 1, "delay_s": 0.05,
+                                        "evaluate": True, "score": tune.grid_search([1, 2]),
+                                        "out": str(tmp_path / "out")},
+                                search_alg=searcher, verbose=0)
+        finally:
+            searcher.close()
+        pause = threading.Event()  # never set: a bounded wait for the last exports to reach the endpoint
+        for _ in range(30):
+            if wanted <= set(seen):
+                break
+            pause.wait(0.5)
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    assert wanted <= set(seen), f"dashboard series with no data on a healthy sweep: {sorted(wanted - set(seen))}"
+    # No error and no echo happened, yet each kind and each trial's echo counter has a series (at 0).
+    group = spec.group_key
+    kinds = {labels for labels in seen["ray_coordprep_errors_total"] if f"('group', '{group}')" in labels}
+    assert all(any(f"('kind', '{kind}')" in labels for labels in kinds) for kind in ERROR_KINDS), kinds
+    for t in analysis.trials:
+        assert any(f"('trial', '{t.trial_id}')" in labels for labels in seen["ray_coordprep_echoed_samples_total"]), t

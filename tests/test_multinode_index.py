@@ -19,6 +19,7 @@ from coordinated_prep import CoordinatedSearcher, DataSpec
 from coordinated_prep.sources import shapes
 from tests.conftest import REPO, live_coordprep_actors
 from tests.recording import record
+from tests.test_shared_index import _async_actor_logs_with
 from tests.utils import make_imagefolder
 
 WORKERS = ("node_a", "node_b")
@@ -62,3 +63,5 @@ def test_copies_that_differ_between_nodes_are_refused_naming_both(cluster, tmp_p
     assert "differs between nodes" in message and ids["node_a"] in message and ids["node_b"] in message, message
     assert "24 samples" in message and "25 samples" in message, message
     assert live_coordprep_actors() == []
+    # Each node's coordinator got its node's index without a blocking ray.get (in an async actor).
+    assert _async_actor_logs_with("Using blocking ray.get inside async actor") == []

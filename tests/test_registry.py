@@ -92,6 +92,11 @@ def registry(monkeypatch: pytest.MonkeyPatch) -> GroupRegistry:
     monkeypatch.setattr(registry_module.Coordinator, "options", lambda **kw: _Method(make), raising=False)
     monkeypatch.setattr(registry_module, "check_same_index", lambda *args: None)
     monkeypatch.setattr(ray, "kill", lambda actor: setattr(actor, "killed", True))
+
+    async def no_index(self: GroupRegistry, dataset: str, node: str) -> tuple[None, int]:
+        return None, 0  # the node's index of the dataset: not what these tests are about
+
+    monkeypatch.setattr(GroupRegistry, "_coordinator_index", no_index)
     found = GroupRegistry("test")
     found._pools[NODE] = _Pool()
     found.next_index_gate = starting  # type: ignore[attr-defined]

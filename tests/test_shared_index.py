@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 
 import numpy as np
@@ -41,6 +42,21 @@ def test_a_sweep_walks_each_class_folder_once_and_its_trials_find_the_pool_warm(
         check_trial_records(spec, epochs, 8, name)
         # A warm start: the node's two prep actors had imported torch before this trial asked for data.
         assert int(epochs[0]["warm_at_start"]) == 2, name
+    # The coordinator, an async actor, got the index without a blocking ray.get (Ray warns of one).
+    assert _async_actor_logs_with("Using blocking ray.get inside async actor") == []
+
+
+def _async_actor_logs_with(text: str) -> list[str]:
+    """The log files of this Ray session's coordinators and node caches that hold ``text``."""
+    from ray._private.worker import _global_node
+
+    found = []
+    for path in glob.glob(os.path.join(_global_node.get_logs_dir_path(), "worker-*.err")):
+        with open(path, errors="replace") as f:
+            log = f.read()
+        if (":actor_name:Coordinator" in log or ":actor_name:RawCache" in log) and text in log:
+            found.append(path)
+    return found
 
 
 def test_outside_a_sweep_each_process_walks_for_itself(tmp_path):

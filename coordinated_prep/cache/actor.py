@@ -28,7 +28,7 @@ from coordinated_prep.cache.arena import Arena, ArenaId
 from coordinated_prep.cache.policy import MinioPolicy
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import CacheError, SampleError
-from coordinated_prep.sources import open_source
+from coordinated_prep.sources import open_source, open_source_async
 
 logger = logging.getLogger(__name__)
 
@@ -94,11 +94,17 @@ class RawCache:
         self.regions: dict[tuple[str, int], tuple[int, int]] = {}
         self.cached: collections.Counter[str] = collections.Counter()  # samples cached per dataset
         self.loading: dict[tuple[str, int], asyncio.Future] = {}
+        self.opened: set[str] = set()  # datasets this process has opened (with the sweep's index, awaited)
         self.pool = concurrent.futures.ThreadPoolExecutor(spec.read_threads, thread_name_prefix="coordprep-cache")
         self.stats: dict[str, Any] = {"node": node, "capacity_bytes": capacity, "hits_local": 0, "hits_remote": 0,
                                       "misses": 0, "coalesced": 0, "storage_reads": 0, "storage_bytes": 0}
         self.tags = {"node": node[:16]}
         metrics.set_gauge("cache_capacity_bytes", capacity, **self.tags)
+        for where in ("local", "remote"):  # every counter at 0 from the start, not after its first event
+            metrics.declare("cache_hits", **self.tags, where=where)
+        metrics.declare("cache_misses", **self.tags)
+        for reader in ("cache", "prep"):
+            metrics.declare("storage_reads", **self.tags, reader=reader)
 
     async def ready(self) -> str | None:
         """None once the arena is reserved; else why it could not be (the cache is unusable)."""
@@ -111,6 +117,9 @@ class RawCache:
     async def lookup(self, dataset: str, indices: list[int], caller: str) -> Reply:
         """One answer per index of ``dataset``, in order, for a reader on node ``caller``."""
         self._arena()
+        if dataset not in self.opened:  # before any read: the reading threads then find it open
+            await open_source_async(dataset)
+            self.opened.add(dataset)
         tally: collections.Counter[str] = collections.Counter()  # this call's events (calls overlap)
         local = caller == self.node
         answers: list[Any] = []
@@ -140,7 +149,7 @@ class RawCache:
 
     async def snapshot(self, dataset: str) -> Snapshot:
         """Where every cached sample of ``dataset`` lies in the arena, now."""
-        n = len(open_source(dataset))
+        n = len(await open_source_async(dataset))  # the sweep's index awaited: no ray.get blocks this loop
         offsets, lengths = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
         for (name, index), (offset, length) in self.regions.items():
             if name == dataset:

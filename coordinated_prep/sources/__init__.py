@@ -17,7 +17,7 @@ BUILTIN_DATASETS = ("builtin:shapes", "builtin:shapes-large", "builtin:photos")
 #: coordinators, registries and caches open sources too.
 PARQUET_MANIFEST = "coordprep-parquet.json"
 
-__all__ = ["BUILTIN_DATASETS", "ImageFolderSource", "ParquetSource", "open_source"]
+__all__ = ["BUILTIN_DATASETS", "ImageFolderSource", "ParquetSource", "folder_root", "open_source", "open_source_async"]
 
 
 @functools.lru_cache(maxsize=8)
@@ -53,6 +53,38 @@ def open_source(dataset: str) -> DataSource:
     if len(source) == 0:
         raise DatasetError(f"dataset {dataset!r} holds no images")
     return source
+
+
+def folder_root(dataset: str) -> str | None:
+    """The ImageFolder directory (absolute) ``dataset`` is read from, or None if it is not one (Parquet).
+
+    A ``builtin:`` dataset is generated here first if it is missing (as :func:`open_source` does).
+    """
+    if dataset.startswith("builtin:"):
+        if dataset not in BUILTIN_DATASETS:
+            return None  # open_source raises the error naming the choices
+        if dataset == "builtin:photos":
+            from coordinated_prep.sources.photos import ensure_photos
+
+            return os.path.abspath(ensure_photos())
+        return os.path.abspath(ensure_shapes(variant=dataset.removeprefix("builtin:")))
+    if os.path.isfile(os.path.join(dataset, PARQUET_MANIFEST)) or not os.path.isdir(dataset):
+        return None
+    return os.path.abspath(dataset)
+
+
+async def open_source_async(dataset: str) -> DataSource:
+    """:func:`open_source` for an async actor: the sweep's index is awaited, never fetched with a
+    blocking ``ray.get`` (which would block the actor's event loop), and the files are opened in a
+    thread."""
+    import asyncio
+
+    from coordinated_prep.sources.shared_index import shared_index_async
+
+    root = await asyncio.to_thread(folder_root, dataset)
+    if root is not None:
+        await shared_index_async(root)
+    return await asyncio.to_thread(open_source, dataset)
 
 
 def _image_folder(root: str) -> ImageFolderSource:

@@ -23,6 +23,15 @@ from coordinated_prep.sources.folder_index import FolderIndex, scan
 logger = logging.getLogger(__name__)
 
 _TIMEOUT_S = 600.0  # an ImageNet-sized tree on a slow network filesystem takes minutes to walk
+#: Indexes this process already holds (root -> index), handed to it without a blocking ``ray.get``:
+#: a coordinator gets its node's index as an argument, an async actor awaits it
+#: (:func:`shared_index_async`). An async actor's ``ray.get`` would block its event loop.
+_HELD: dict[str, FolderIndex] = {}
+
+
+def remember(index: FolderIndex) -> None:
+    """Keep ``index`` as this process's copy of the sweep's index of ``index.root``."""
+    _HELD[index.root] = index
 
 
 def shared_index(root: str) -> FolderIndex | None:
@@ -33,6 +42,8 @@ def shared_index(root: str) -> FolderIndex | None:
     """
     import ray
 
+    if root in _HELD:
+        return _HELD[root]
     if not ray.is_initialized():
         return None
     context = ray.get_runtime_context()
@@ -50,6 +61,34 @@ def shared_index(root: str) -> FolderIndex | None:
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
         logger.warning("the sweep's index of %s could not be had (%r); walking it in this process", root, e)
         return None
+
+
+async def shared_index_async(root: str) -> None:
+    """Fetch the sweep's index of ``root`` for this process without blocking its event loop (for
+    async actors): a later :func:`shared_index` (and ``open_source``) finds it held. Outside a sweep,
+    or if the index cannot be had, nothing is held and the caller walks the tree itself.
+
+    Raises:
+        DatasetError: The walk found no usable ImageFolder.
+    """
+    import ray
+
+    if root in _HELD or not ray.is_initialized():
+        return
+    context = ray.get_runtime_context()
+    try:
+        registry = ray.get_actor(registry_name(context.get_job_id()), namespace=NAMESPACE)
+    except ValueError:
+        return
+    try:
+        [ref] = await asyncio.wait_for(registry.folder_index.remote(root, context.get_node_id()), _TIMEOUT_S)
+        remember(await asyncio.wait_for(ref, _TIMEOUT_S))
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, DatasetError):
+            raise e.cause from None
+        raise
+    except (ray.exceptions.RayActorError, asyncio.TimeoutError) as e:
+        logger.warning("the sweep's index of %s could not be had (%r); walking it in this process", root, e)
 
 
 async def walk(root: str, node: str, local_node: str) -> Any:
