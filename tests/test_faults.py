@@ -6,6 +6,7 @@ and (through pytest-timeout) a bounded finish time.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -130,3 +131,66 @@ def test_skip_policy_leaves_a_truncated_jpeg_out_for_every_trial(ray_session, tm
     for trial, epochs in load_records(str(tmp_path / "records")).items():
         assert_exactly_once([e["indices"] for e in epochs], expected, trial)
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
+
+
+def test_evaluation_with_a_corrupt_held_out_file_under_skip(ray_session, tmp_path):
+    from ray import tune
+
+    from coordinated_prep import CoordinatedSearcher
+    from coordinated_prep.plan import holdout_split
+    from coordinated_prep.sources import ImageFolderSource
+    from tests.recording import record
+    from tests.utils import make_imagefolder
+
+    root = make_imagefolder(str(tmp_path / "data"), classes=2, per_class=20)
+    source = ImageFolderSource(root)
+    _, held = holdout_split(len(source), 0.1)
+    broken = source.paths[int(held[0])]
+    with open(broken, "wb") as f:
+        f.write(b"not a jpeg")
+    spec = DataSpec(dataset=root, pipeline={"size": 16}, seed=1, chunk_size=8, holdout=0.1, on_error="skip")
+    searcher = CoordinatedSearcher()
+    try:
+        analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0,
+                            raise_on_failed_trial=False,
+                            config={"data": spec, "batch_size": 8, "epochs": 1, "evaluate": True,
+                                    "out": str(tmp_path / "out"), "n": tune.grid_search([1, 2])})
+        [report] = searcher.eval_reports().values()
+    finally:
+        searcher.close()
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    for t in analysis.trials:
+        assert t.last_result["eval_samples"] == len(held) - 1, t  # evaluated without that one sample
+    assert report["samples_skipped"] == 1 and report["skipped_files"] == [broken], report
+    # Unshared (the same function in the trial's own process): the same sample left out.
+    from coordinated_prep.loader import eval_loader
+    assert sum(len(b) for b in eval_loader(dataclasses.replace(spec, coordinated=False), 8)) == len(held) - 1
+
+
+def test_a_loader_dropped_without_close_leaves_its_group(ray_session, small_dataset):
+    import gc
+
+    from coordinated_prep import CoordinatedSearcher
+    from coordinated_prep.loader import TrainLoader
+    from coordinated_prep.streams import SharedStream
+    from tests.conftest import settled
+
+    spec = DataSpec(dataset=small_dataset, pipeline={"size": 16}, chunk_size=8)
+    searcher = CoordinatedSearcher()
+    searcher.start()
+    try:
+        kept = TrainLoader(SharedStream(spec, "t1", "t1", 8), 8)  # this one stays
+        dropped = TrainLoader(SharedStream(spec, "t1", "t1#2", 8), 8)
+        coordinator = kept._stream._coordinator
+
+        def consumers() -> list[str]:
+            return sorted(ray_session.get(coordinator.report.remote(), timeout=30)["consumers"])
+
+        assert consumers() == ["t1", "t1#2"]
+        del dropped  # never closed
+        gc.collect()
+        assert settled(consumers, ["t1"]) == ["t1"], "the dropped loader's consumer left its group"
+        kept.close()
+        assert settled(consumers, []) == []
+    finally:
+        searcher.close()

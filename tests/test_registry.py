@@ -190,3 +190,23 @@ def test_a_failed_start_takes_back_only_the_membership_it_added(registry):
         assert not registry._members and not registry._trial_groups, "a trial that never joined is no member"
 
     asyncio.run(scenario())
+
+
+def test_a_group_start_allows_time_per_file_and_names_the_dataset_and_the_fix(monkeypatch):
+    from coordinated_prep.registry import start_bound_s
+
+    assert start_bound_s(1_281_167) > 1_281_167 * 0.002, "an ImageNet-sized tree gets more than 2 ms per file"
+    assert start_bound_s(0) == registry_module._CALL_TIMEOUT_S
+
+    class Silent:  # a coordinator whose fingerprint never comes
+        class fingerprint:
+            @staticmethod
+            def remote():
+                return asyncio.get_running_loop().create_future()
+
+    monkeypatch.setattr(registry_module, "_CALL_TIMEOUT_S", 0.01)
+    found = GroupRegistry("s")
+    with pytest.raises(DatasetError) as error:
+        asyncio.run(found._check_index("/nfs/imagenet/train", "node-7", Silent(), 0))
+    message = str(error.value)
+    assert "/nfs/imagenet/train" in message and "node-7" in message and "coordprep convert" in message
