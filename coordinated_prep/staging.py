@@ -180,8 +180,10 @@ class StagingBuffer:
         return self.head < self.demand + self.lookahead and any(c.covers(self.head) for c in self.consumers.values())
 
     def starving(self) -> set[str]:
-        """The consumers waiting for a piece that is not staged yet."""
-        return {t for t, c in self.consumers.items() if any(g not in self.slots and c.covers(g) for g in c.waits)}
+        """The consumers waiting for a piece that is not prepared yet (at or past the head: a request
+        left for a piece below it was answered, or is for a piece it passed over)."""
+        return {t for t, c in self.consumers.items()
+                if any(g >= self.head and c.covers(g) for g in c.waits)}
 
     def lease_holders(self, nbytes: int) -> set[str]:
         """Whom the lease would detach now, with ``nbytes`` the size of the head piece.

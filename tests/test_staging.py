@@ -347,3 +347,18 @@ def test_demand_falls_when_the_furthest_trial_leaves():
     assert buf.demand == 51
     buf.leave("fast")
     assert buf.demand == 0, "the lookahead counts from the trials still there"
+
+
+def test_a_request_already_answered_does_not_count_as_starving():
+    """A wait left behind for a piece the trial has fetched (below the head, released) is not a
+    wait for production: it must not exempt the trial from the lease while another one waits."""
+    plan = StreamPlan(np.arange(40), 0, chunk_size=4, segments=1)  # joins at epoch boundaries only
+    buf = _buffer(plan, 1)
+    buf.join("a")
+    buf.request("a", 0)  # answered below without end_wait: a stale wait
+    buf.mark_ready(buf.reserve(PIECE).g, "ref")
+    buf.fetched("a", 0, 4)
+    buf.join("b")  # starts at the next epoch, past the head
+    buf.mark_ready(buf.reserve(PIECE).g, "ref")  # piece 1: a's, unfetched, fills the budget
+    buf.request("b", 10)
+    assert buf.starving() == {"b"} and buf.lease_holders(PIECE) == {"a"}
