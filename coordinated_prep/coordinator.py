@@ -18,8 +18,12 @@ Life cycle of a prepared piece ``g``:
 4. *Fetched*: each consumer's ``fetch`` hands it the nested reference (a borrow); the trial maps
    the arrays zero-copy, read-only (``readonly.py``), hands out every batch that lies inside the
    piece as a view of it and copies only batches that straddle two pieces (``batching.py``).
-5. *Freed*: when the last consumer fetched it, left, passed over it, or was detached by the lease,
-   the coordinator drops its reference; Ray frees the memory once the trials drop theirs too.
+5. *Freed*: when the last consumer fetched it, the coordinator drops its reference; Ray frees the
+   memory once the trials drop theirs too. A piece whose last consumers left, passed over it or
+   were detached by the lease before fetching it is *kept* instead: the next trial to join starts
+   on it (Tune pauses and resumes trials under HyperBand and PBT, each time a new consumer), so
+   what was prepared ahead for a leaver is read after all. Kept pieces are dropped when production
+   needs their bytes, when no joiner could start on them, or when the group closes.
 
 What the budget bounds, and what it does not: the bytes a group's coordinator holds (reserved
 and prepared pieces not yet fetched by all their readers) stay within its share of the node's
@@ -88,7 +92,9 @@ class Coordinator:
         node_id = ray.get_runtime_context().get_node_id()
         n_actors = len(actors)
         lookahead = spec.lookahead or max(8, 4 * n_actors)
-        self.buffer = StagingBuffer(budget_bytes, self.plan.next_join_point, lookahead)
+        # Pieces left unfetched when their trials leave (a paused, exploited or stopped trial's
+        # lookahead and in-flight pieces) stay staged while the budget has room, for the next joiner.
+        self.buffer = StagingBuffer(budget_bytes, self.plan.next_join_point, lookahead, keep_bytes=None)
         self.actors = actors
         self.max_in_flight = 2 * n_actors  # keep every actor busy while one result travels back
         self.in_flight = 0
@@ -255,7 +261,8 @@ class Coordinator:
         stall = time.monotonic() - self.blocked_since if self.blocked_since is not None else 0.0
         return dict(self.stats, stall_s=self.stats["stall_s"] + stall, staged_bytes=self.buffer.staged_bytes,
                     peak_staged_bytes=self.buffer.peak_bytes, head=self.buffer.head, consumers=trials,
-                    in_flight=self.in_flight, detached=sorted(self.evicted))
+                    in_flight=self.in_flight, detached=sorted(self.evicted), pieces_kept=self.buffer.pieces_kept,
+                    pieces_reused=self.buffer.pieces_reused, kept_bytes=self.buffer.kept_bytes)
 
     async def close(self, drain_timeout_s: float = 10.0) -> None:
         """Stop producing, let in-flight pieces land (bounded), drop every piece (the pool lives on)."""

@@ -59,7 +59,7 @@ _LIVENESS_TIMEOUT_S = 10.0
 _KEPT_INCARNATIONS = 50  # per group, the most recent coordinators' own counters kept in reports
 _SUMMED = ("samples_prepared", "samples_served", "pieces_prepared", "pieces_failed", "trials_joined",
            "fetch_s", "transform_s", "put_s", "prep_cpu_s", "evictions", "storage_reads", "cache_hits",
-           "released_dead", "stall_s", "pieces_passed")
+           "released_dead", "stall_s", "pieces_passed", "pieces_kept", "pieces_reused")
 
 
 @dataclass

@@ -7,6 +7,10 @@ Life cycle of a piece ``g`` (the legal transitions; nothing else changes a slot)
 
     (absent) --reserve--> RESERVED --mark_ready--> READY --last consumer fetched--> released
                                    \\--mark_failed--> FAILED --last consumer fetched--> released
+    READY --its last consumers left or passed over it unfetched--> kept (READY, nobody waits)
+    RESERVED --mark_ready after its consumers left--> kept
+    kept --a joiner's range holds it--> READY (the joiner waits)
+    kept --evicted (reserve needs its bytes, over ``keep_bytes``) or no joiner can start on it--> released
 
 - ``reserve`` happens only while the staged bytes plus the piece fit the byte budget (or nothing
   else is staged, so one piece larger than the budget cannot deadlock the stream), and only up to
@@ -19,6 +23,15 @@ Life cycle of a piece ``g`` (the legal transitions; nothing else changes a slot)
 - A consumer leaving removes it from every slot; slots left without consumers are released as
   soon as they are no longer in flight. A consumer passing over the rest of an epoch
   (``skip_to``) leaves the slots below its new floor the same way, at once.
+- Unless it is *kept* (``keep_bytes``, off by default): a prepared piece that nobody waits for any
+  more because its consumers left or passed over it unfetched stays staged, so that the next
+  trial to join (a trial Tune paused and resumes, PBT's exploit, a retry) starts on it instead of
+  on pieces prepared afresh: what a leaver's lookahead prepared is read after all. A joiner
+  starts at the first join point of the run of staged pieces that ends at the head, so a kept
+  piece is released as soon as no joiner could start at or below it (a gap below it, or no join
+  point at or below it in the run); the lowest kept pieces go first when they exceed
+  ``keep_bytes`` or when ``reserve`` needs their bytes. Kept pieces never hold the budget against
+  production (``fits`` does not count them), so liveness is as without them.
 - The head never rests on a piece nobody will read: after every change of the head or of a
   consumer's range (join, leave, skip, reserve) it moves up to the first piece some consumer still
   needs (the pieces passed over are never prepared). Moving it after ``reserve`` matters when the
@@ -100,13 +113,20 @@ class StagingBuffer:
         budget_bytes: Most bytes of pieces staged at once (reserved or ready).
         next_join_point: Maps a piece number to the first join point at or after it.
         lookahead: Most pieces reserved beyond the furthest piece requested so far.
+        keep_bytes: Most bytes of prepared pieces kept for later joiners after their consumers
+            left them unfetched (0: none, the default; None: up to the byte budget).
     """
 
-    def __init__(self, budget_bytes: int, next_join_point: Callable[[int], int], lookahead: int = 8) -> None:
+    def __init__(self, budget_bytes: int, next_join_point: Callable[[int], int], lookahead: int = 8,
+                 keep_bytes: int | None = 0) -> None:
         if budget_bytes < 1 or lookahead < 1:
             raise ValueError(f"budget_bytes={budget_bytes} and lookahead={lookahead} must be positive")
+        _check_keep(keep_bytes)
         self.budget_bytes = budget_bytes
         self.lookahead = lookahead
+        self.keep_bytes = keep_bytes
+        self.pieces_kept = 0  # pieces kept after their consumers left them unfetched
+        self.pieces_reused = 0  # kept pieces a later joiner took up
         self._next_join_point = next_join_point
         self.head = 0  # the next piece to reserve
         self.slots: dict[int, Slot] = {}
@@ -124,7 +144,8 @@ class StagingBuffer:
 
         A trial that is already registered (a retry under the same id) is first removed, so it
         starts a fresh epoch. The start is the first join point from which every piece up to the
-        head is still staged, so the trial is served from what is already prepared when it can be.
+        head is still staged (kept pieces included), so the trial is served from what is already
+        prepared when it can be.
         """
         self.leave(trial)
         low = self.head
@@ -139,8 +160,10 @@ class StagingBuffer:
         self.consumers[trial] = consumer
         for g, slot in self.slots.items():
             if consumer.covers(g):
+                self.pieces_reused += self._is_kept(slot)
                 slot.waiting.add(trial)
         self._advance_head()
+        self._prune_kept()  # kept pieces below its start: no later joiner starts lower
         return self._tokens, start
 
     def is_current(self, trial: str, token: int) -> bool:
@@ -155,7 +178,7 @@ class StagingBuffer:
         del self.consumers[trial]
         released = self._drop(trial, lambda g: True)
         self._advance_head()
-        return released
+        return released + self._prune_kept()
 
     def skip_to(self, trial: str, token: int, g: int) -> list[Slot]:
         """``trial`` passes over every piece below ``g`` it has not fetched (an epoch cut short).
@@ -171,7 +194,7 @@ class StagingBuffer:
         consumer.waits = {p: n for p, n in consumer.waits.items() if p >= g}  # those requests end now
         released = self._drop(trial, lambda piece: piece < g)
         self._advance_head()
-        return released
+        return released + self._prune_kept()
 
     # -- producing ---------------------------------------------------------------------------
     @property
@@ -184,8 +207,10 @@ class StagingBuffer:
         return self.head < self.demand + self.lookahead and any(c.covers(self.head) for c in self.consumers.values())
 
     def starving(self) -> set[str]:
-        """The consumers waiting for a piece that is not staged yet."""
-        return {t for t, c in self.consumers.items() if any(g not in self.slots and c.covers(g) for g in c.waits)}
+        """The consumers waiting for a piece that is not prepared yet (at or past the head: a request
+        left for a piece below it was answered, or is for a piece it passed over)."""
+        return {t for t, c in self.consumers.items()
+                if any(g >= self.head and c.covers(g) for g in c.waits)}
 
     def lease_holders(self, nbytes: int) -> set[str]:
         """Whom the lease would detach now, with ``nbytes`` the size of the head piece.
@@ -197,8 +222,8 @@ class StagingBuffer:
         if not self.slots or not self.wanted() or self.fits(nbytes):
             return set()
         starving = self.starving()
-        oldest = self.slots[min(self.slots)]
-        if not starving or oldest.state is SlotState.RESERVED:
+        oldest = min(self._held_slots(), key=lambda s: s.g, default=None)  # kept pieces hold nothing
+        if not starving or oldest is None or oldest.state is SlotState.RESERVED:
             return set()
         return oldest.waiting - starving
 
@@ -222,13 +247,34 @@ class StagingBuffer:
         if budget_bytes < 1:
             raise ValueError(f"budget_bytes={budget_bytes} must be positive")
         self.budget_bytes = budget_bytes
+        self._prune_kept()
+
+    def set_keep_bytes(self, keep_bytes: int | None) -> list[Slot]:
+        """Keep up to ``keep_bytes`` of pieces left unfetched (0: none; None: up to the budget);
+        returns the kept slots released because they no longer fit."""
+        _check_keep(keep_bytes)
+        self.keep_bytes = keep_bytes
+        return self._prune_kept()
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of the kept pieces: prepared, nobody waits for them, staged for a later joiner."""
+        return sum(s.nbytes for s in self.slots.values() if self._is_kept(s))
 
     def fits(self, nbytes: int) -> bool:
-        """Whether reserving ``nbytes`` more keeps the staged bytes within the budget."""
-        return not self.slots or self.staged_bytes + nbytes <= self.budget_bytes
+        """Whether reserving ``nbytes`` more keeps the staged bytes within the budget (kept pieces
+        do not count: ``reserve`` evicts them to make room)."""
+        return not self._held_slots() or self.staged_bytes - self.kept_bytes + nbytes <= self.budget_bytes
 
     def reserve(self, nbytes: int) -> Slot:
-        """Stage the head piece as in flight; its consumers are the trials that started at or before it."""
+        """Stage the head piece as in flight; its consumers are the trials that started at or before it.
+
+        Kept pieces are evicted, lowest first, while the staged bytes and the piece exceed the budget.
+        """
+        for kept in sorted(g for g, s in self.slots.items() if self._is_kept(s)):
+            if self.staged_bytes + nbytes <= self.budget_bytes:
+                break
+            self._release(kept)
         g = self.head
         waiting = {t for t, c in self.consumers.items() if c.covers(g)}
         slot = Slot(g=g, nbytes=nbytes, waiting=waiting)
@@ -237,6 +283,7 @@ class StagingBuffer:
         self.staged_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.staged_bytes)
         self._advance_head()  # g may have been the last piece its readers declared
+        self._prune_kept()  # the head may have jumped over a gap: kept pieces below it are no use
         return slot
 
     def mark_ready(self, g: int, payload: Any) -> Slot | None:
@@ -256,7 +303,9 @@ class StagingBuffer:
         slot.waiting.discard(trial)
         self.consumers[trial].served_samples += samples
         if not slot.waiting:
-            return self._release(g)
+            released = self._release(g)
+            self._prune_kept()  # a gap below the head: no joiner starts on the kept pieces below it
+            return released
         return None
 
     def passed(self, trial: str, g: int) -> bool:
@@ -286,7 +335,7 @@ class StagingBuffer:
         for slot in list(self.slots.values()):
             if which(slot.g) and trial in slot.waiting:
                 slot.waiting.discard(trial)
-                if not slot.waiting and slot.state is not SlotState.RESERVED:
+                if not slot.waiting and slot.state is not SlotState.RESERVED and not self._keep(slot):
                     released.append(self._release(slot.g))
         return released
 
@@ -306,9 +355,60 @@ class StagingBuffer:
         if slot.state is not SlotState.RESERVED:
             raise RuntimeError(f"piece {g} settled twice ({slot.state.value} -> {state.value})")
         slot.state, slot.payload = state, payload
-        return self._release(g) if not slot.waiting else None
+        if slot.waiting:
+            return None
+        if not self._keep(slot):
+            released = self._release(g)
+            self._prune_kept()  # a failed piece nobody reads leaves a gap below the head
+            return released
+        return slot if any(r is slot for r in self._prune_kept()) else None
 
     def _release(self, g: int) -> Slot:
         slot = self.slots.pop(g)
         self.staged_bytes -= slot.nbytes
         return slot
+
+    # -- kept pieces -------------------------------------------------------------------------
+    @staticmethod
+    def _is_kept(slot: Slot) -> bool:
+        return slot.state is SlotState.READY and not slot.waiting
+
+    def _held_slots(self) -> list[Slot]:
+        """The slots that are not kept: in flight, or waited for."""
+        return [s for s in self.slots.values() if not self._is_kept(s)]
+
+    def _keep(self, slot: Slot) -> bool:
+        """Whether ``slot``, settled and left by its last consumer unfetched, is kept (for now)."""
+        if slot.state is not SlotState.READY or self.keep_bytes == 0:
+            return False
+        self.pieces_kept += 1
+        return True
+
+    def _run_low(self) -> int:
+        """The lowest piece from which every piece up to the head is staged (the head if none is)."""
+        low = self.head
+        while low - 1 in self.slots:
+            low -= 1
+        return low
+
+    def _prune_kept(self) -> list[Slot]:
+        """Release the kept pieces no joiner could start on (below the first join point of the
+        staged run ending at the head), then the lowest ones while they exceed ``keep_bytes`` or the
+        budget (which may have shrunk: kept pieces are the first memory to give back)."""
+        released: list[Slot] = []
+        while True:
+            kept = sorted(g for g, s in self.slots.items() if self._is_kept(s))
+            if not kept:
+                return released
+            low = self._run_low()
+            first = self._next_join_point(low) if low < self.head else self.head
+            cap = self.budget_bytes if self.keep_bytes is None else min(self.keep_bytes, self.budget_bytes)
+            if kept[0] < first or sum(self.slots[g].nbytes for g in kept) > cap:
+                released.append(self._release(kept[0]))
+            else:
+                return released
+
+
+def _check_keep(keep_bytes: int | None) -> None:
+    if keep_bytes is not None and keep_bytes < 0:
+        raise ValueError(f"keep_bytes={keep_bytes} must be >= 0 or None")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import random
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -227,6 +228,7 @@ ops = st.lists(
         st.tuples(st.just("skip"), st.integers(0, 3)),  # it cuts its epoch short
         st.tuples(st.just("lease"), st.integers(0, 0)),
         st.tuples(st.just("budget"), st.integers(1, 6)),  # the node's budget was split anew
+        st.tuples(st.just("keep"), st.integers(0, 6)),  # keep_bytes: arg pieces, 6: up to the budget
     ),
     max_size=300,
 )
@@ -301,12 +303,15 @@ def test_exactly_once_freeing_and_liveness_under_random_schedules(ops, n, chunk,
                 finished.append(trials.pop(held))
         elif op == "budget":
             buf.set_budget(arg * PIECE)
+        elif op == "keep":  # the coordinator keeps unfetched pieces for later joiners
+            buf.set_keep_bytes(None if arg == 6 else arg * PIECE)
         for who, g, state in _answer(buf, plan):
             if state is SlotState.FAILED:  # the trial receives the error, fails, and Tune ends it
                 buf.leave(who)
                 finished.append(trials.pop(who))
             elif who in trials:
                 trials[who].got.add(g)
+        _check_kept(buf, plan)
         # Production stays within the lookahead of what some trial asked for, or where one starts.
         bound = max(bound, buf.demand + buf.lookahead, max((c.floor for c in buf.consumers.values()), default=0))
         assert buf.head <= bound
@@ -328,6 +333,8 @@ def test_exactly_once_freeing_and_liveness_under_random_schedules(ops, n, chunk,
         buf.leave(name)
     for g in in_flight:
         buf.mark_ready(g, "ref")
+    assert all(not s.waiting for s in buf.slots.values()), "only kept pieces are left"
+    buf.set_keep_bytes(0)
     assert not buf.slots and buf.staged_bytes == 0
 
 
@@ -431,3 +438,156 @@ def test_demand_falls_when_the_furthest_trial_leaves():
     assert buf.demand == 51
     buf.leave("fast")
     assert buf.demand == 0, "the lookahead counts from the trials still there"
+
+
+# -- kept pieces: what a leaver left unfetched is read by the next joiner ------------------------
+
+def _keeping(plan: StreamPlan, pieces_budget: int, lookahead: int = 100, keep_bytes: int | None = None) -> StagingBuffer:
+    return StagingBuffer(pieces_budget * PIECE, plan.next_join_point, lookahead, keep_bytes=keep_bytes)
+
+
+def test_a_leavers_unfetched_pieces_are_kept_and_the_next_joiner_starts_on_them():
+    plan = StreamPlan(np.arange(40), 0, chunk_size=4, segments=10)  # 10 pieces an epoch, each a join point
+    buf = _keeping(plan, 100, lookahead=3)
+    buf.join("a", pieces=20)  # declared two epochs; stopped (PBT, HyperBand) after three pieces
+    for g in range(3):
+        buf.request("a", g)
+        while buf.wanted():
+            buf.mark_ready(buf.reserve(PIECE).g, "ref")
+        buf.fetched("a", g, 4)
+    assert sorted(buf.slots) == [3, 4, 5], "its lookahead"
+    assert buf.leave("a") == [] and buf.kept_bytes == 3 * PIECE and buf.pieces_kept == 3
+    assert not buf.wanted(), "nobody registered: nothing more is prepared"
+    _, start = buf.join("b", pieces=10)
+    assert start == 3 and buf.pieces_reused == 3 and buf.kept_bytes == 0
+    assert all(buf.slots[g].waiting == {"b"} for g in (3, 4, 5)) and buf.head == 6
+    assert buf.needs("b", 3) and buf.fetched("b", 3, 4) is not None
+
+
+def test_without_keep_bytes_a_leavers_pieces_are_freed_as_before():
+    plan = StreamPlan(np.arange(40), 0, chunk_size=4, segments=10)
+    buf = _buffer(plan, 100)
+    buf.join("a")
+    for _ in range(3):
+        buf.mark_ready(buf.reserve(PIECE).g, "ref")
+    assert [s.g for s in buf.leave("a")] == [0, 1, 2] and not buf.slots and buf.pieces_kept == 0
+
+
+def test_a_piece_that_lands_after_its_trials_left_is_kept():
+    plan = StreamPlan(np.arange(40), 0, chunk_size=4, segments=10)
+    buf = _keeping(plan, 100)
+    buf.join("a")
+    in_flight = buf.reserve(PIECE)
+    assert buf.leave("a") == [] and buf.slots[0].state is SlotState.RESERVED
+    assert buf.mark_ready(in_flight.g, "ref") is None, "kept, not released"
+    assert buf.join("b")[1] == 0 and buf.slots[0].waiting == {"b"}
+
+
+def test_kept_pieces_no_joiner_could_start_on_are_released_at_once():
+    plan = StreamPlan(np.arange(40), 0, chunk_size=4, segments=5)  # 10 pieces an epoch, join points every 2
+    buf = _keeping(plan, 100)
+    token, _ = buf.join("a")
+    for _ in range(5):
+        buf.mark_ready(buf.reserve(PIECE).g, "ref")
+    for g in range(3):
+        buf.fetched("a", g, 4)
+    assert [s.g for s in buf.leave("a")] == [3], "piece 3 lies below the next join point (4): nobody starts there"
+    assert sorted(buf.slots) == [4] and buf.join("b")[1] == 4
+    # A gap below the head: the trial passes over its epoch's rest, the head jumps past what nobody
+    # needs, and the pieces below the gap could never be a joiner's start.
+    buf.leave("b")
+    token, start = buf.join("c")
+    assert start == 4
+    buf.mark_ready(buf.reserve(PIECE).g, "ref")
+    assert sorted(s.g for s in buf.skip_to("c", token, start + plan.chunks_per_epoch)) == [4, 5]
+    assert not buf.slots and buf.head == 14
+
+
+def test_kept_pieces_never_hold_the_budget_and_go_lowest_first():
+    plan = StreamPlan(np.arange(40), 0, chunk_size=4, segments=10)
+    buf = _keeping(plan, 3)
+    buf.join("a")
+    buf.join("b")
+    for _ in range(3):
+        buf.mark_ready(buf.reserve(PIECE).g, "ref")
+    for g in range(3):
+        buf.fetched("b", g, 4)
+    buf.fetched("a", 0, 4)
+    assert buf.leave("a") == [] and sorted(buf.slots) == [1, 2] and buf.kept_bytes == 2 * PIECE
+    buf.request("b", 3)
+    assert buf.fits(PIECE) and buf.wanted() and buf.lease_holders(PIECE) == set()
+    buf.mark_ready(buf.reserve(PIECE).g, "ref")
+    buf.mark_ready(buf.reserve(PIECE).g, "ref")
+    assert sorted(buf.slots) == [2, 3, 4] and buf.staged_bytes == 3 * PIECE, "piece 1 made room, then piece 2 is next"
+    assert buf.set_keep_bytes(0)[0].g == 2 and sorted(buf.slots) == [3, 4]
+
+
+def test_keep_bytes_caps_the_kept_pieces_lowest_first():
+    plan = StreamPlan(np.arange(40), 0, chunk_size=4, segments=10)
+    buf = _keeping(plan, 100, keep_bytes=2 * PIECE)
+    buf.join("a")
+    for _ in range(4):
+        buf.mark_ready(buf.reserve(PIECE).g, "ref")
+    assert [s.g for s in buf.leave("a")] == [0, 1] and sorted(buf.slots) == [2, 3]
+    assert buf.join("b")[1] == 2
+    with pytest.raises(ValueError):
+        buf.set_keep_bytes(-1)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, n=st.integers(1, 40), chunk=st.integers(1, 6), segments=st.integers(1, 6),
+       budget=st.integers(1, 6), lookahead=st.integers(1, 4), seed=st.integers(0, 3))
+def test_keeping_pieces_under_random_schedules(ops, n, chunk, segments, budget, lookahead, seed):
+    """The random-schedule property test, with every unfetched piece kept from the start (the
+    coordinator's setting) on top of the ``keep`` op's changes."""
+    test_exactly_once_freeing_and_liveness_under_random_schedules.hypothesis.inner_test(
+        [("keep", 6)] + ops, n, chunk, segments, budget, lookahead, seed)
+
+
+def _check_kept(buf: StagingBuffer, plan: StreamPlan) -> None:
+    """Kept pieces are ready, within ``keep_bytes``, and each one a joiner could start at or below:
+    in the staged run that ends at the head, at or past its first join point."""
+    kept = sorted(g for g, s in buf.slots.items() if s.state is SlotState.READY and not s.waiting)
+    assert sum(buf.slots[g].nbytes for g in kept) == buf.kept_bytes
+    assert buf.keep_bytes is None or buf.kept_bytes <= buf.keep_bytes
+    assert buf.kept_bytes <= buf.budget_bytes or len(kept) == 1 and len(buf.slots) == 1
+    if kept:
+        assert buf.keep_bytes != 0
+        assert all(g in buf.slots for g in range(kept[0], buf.head)), "a gap below the head"
+        low = kept[0]
+        while low - 1 in buf.slots:
+            low -= 1
+        assert kept[0] >= plan.next_join_point(low), "no joiner could start on it"
+
+
+def test_a_request_already_answered_does_not_count_as_starving():
+    """A wait left behind for a piece the trial has fetched (below the head, released) is not a
+    wait for production: it must not exempt the trial from the lease while another one waits."""
+    plan = StreamPlan(np.arange(40), 0, chunk_size=4, segments=1)  # joins at epoch boundaries only
+    buf = _buffer(plan, 1)
+    buf.join("a")
+    buf.request("a", 0)  # answered below without end_wait: a stale wait
+    buf.mark_ready(buf.reserve(PIECE).g, "ref")
+    buf.fetched("a", 0, 4)
+    buf.join("b")  # starts at the next epoch, past the head
+    buf.mark_ready(buf.reserve(PIECE).g, "ref")  # piece 1: a's, unfetched, fills the budget
+    buf.request("b", 10)
+    assert buf.starving() == {"b"} and buf.lease_holders(PIECE) == {"a"}
+
+
+_OPS = (("join", 3), ("join_for", 11), ("leave", 3), ("produce", 0), ("settle", 5), ("fail", 5), ("ask", 3),
+        ("skip", 3), ("lease", 0), ("budget", 6), ("keep", 6))
+
+
+@pytest.mark.parametrize("block", range(4))
+def test_liveness_on_long_seeded_schedules(block):
+    """The property test's body on long schedules (Hypothesis draws mostly short ones): 50 seeded
+    schedules of 300 steps per block, asks and production weighted up so trials get far."""
+    weights = [3, 2, 1, 6, 6, 1, 8, 1, 1, 1, 1]
+    for seed in range(block * 50, (block + 1) * 50):
+        rng = random.Random(seed)
+        ops = [(op, rng.randint(1 if op == "budget" else 0, top))
+               for op, top in rng.choices(_OPS, weights=weights, k=300)]
+        args = (rng.randint(1, 40), rng.randint(1, 6), rng.randint(1, 6), rng.randint(1, 6), rng.randint(1, 4),
+                rng.randint(0, 3))
+        test_exactly_once_freeing_and_liveness_under_random_schedules.hypothesis.inner_test(ops, *args)
