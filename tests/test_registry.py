@@ -114,6 +114,16 @@ async def _until_blocked(task: asyncio.Task, lock: asyncio.Lock) -> None:
     assert lock.locked() and not task.done(), "the completion went ahead inside the start"
 
 
+async def _start_gated(registry: GroupRegistry, trial: str) -> tuple[asyncio.Event, asyncio.Future]:
+    """``trial`` asks for its group, whose new coordinator's index check waits at a gate (shut)."""
+    gate = asyncio.Event()
+    registry.next_index_gate.append(gate)
+    starting = asyncio.ensure_future(registry.group_for(_spec(), trial, NODE))
+    for _ in range(100):  # yields of the loop, not time: the start runs up to the gate
+        await asyncio.sleep(0)
+    return gate, starting
+
+
 def test_a_completion_during_the_liveness_check_does_not_destroy_the_joiners_group(registry):
     async def scenario() -> None:
         first = await registry.group_for(_spec(), "X", NODE)
@@ -138,11 +148,7 @@ def test_a_dead_members_completion_does_not_destroy_the_replacement_being_built(
         dead = await registry.group_for(_spec(), "C", NODE)
         assert await registry.group_for(_spec(), "D", NODE) is dead
         dead.die()  # the coordinator dies; Tune retries C, and D completes (failed for good)
-        gate = asyncio.Event()
-        registry.next_index_gate.append(gate)  # the replacement's index check waits
-        retry = asyncio.ensure_future(registry.group_for(_spec(), "C", NODE))
-        for _ in range(100):
-            await asyncio.sleep(0)
+        gate, retry = await _start_gated(registry, "C")  # the replacement's index check waits
         assert len(_Coordinator.made) == 2, "the retry is building a replacement"
         done = asyncio.ensure_future(registry.trial_done("D"))
         await _until_blocked(done, registry._lock(next(iter(registry._groups))))
@@ -159,11 +165,7 @@ def test_a_dead_members_completion_does_not_destroy_the_replacement_being_built(
 
 def test_a_completion_during_a_new_groups_start_waits_and_keeps_it(registry):
     async def scenario() -> None:
-        gate = asyncio.Event()
-        registry.next_index_gate.append(gate)
-        starting = asyncio.ensure_future(registry.group_for(_spec(), "A", NODE))
-        for _ in range(100):
-            await asyncio.sleep(0)
+        gate, starting = await _start_gated(registry, "A")
         done = asyncio.ensure_future(registry.trial_done("A"))  # a retried A's earlier incarnation completing
         await _until_blocked(done, registry._lock(next(iter(registry._groups))))
         gate.set()
@@ -177,11 +179,7 @@ def test_a_completion_during_a_new_groups_start_waits_and_keeps_it(registry):
 
 def test_a_failed_start_takes_back_only_the_membership_it_added(registry):
     async def scenario() -> None:
-        gate = asyncio.Event()
-        registry.next_index_gate.append(gate)
-        starting = asyncio.ensure_future(registry.group_for(_spec(), "A", NODE))
-        for _ in range(100):
-            await asyncio.sleep(0)
+        gate, starting = await _start_gated(registry, "A")
         _Coordinator.made[0].index_error = DatasetError("the index differs on this node")
         gate.set()
         with pytest.raises(DatasetError, match="index differs"):
