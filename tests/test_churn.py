@@ -125,7 +125,9 @@ def test_paused_trials_release_their_place_within_seconds(ray_session, small_dat
     searcher.close()
     assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
     [report] = reports.values()
-    assert report["released_dead"] >= 1, f"no trial of the {scheduler} sweep was paused: {report}"
+    # A paused trial leaves when its loader is collected as Tune unwinds it, or when its process
+    # ends (released_dead), whichever comes first; either way it re-joins when resumed.
+    assert report["trials_joined"] > len(analysis.trials), f"no trial of the {scheduler} sweep was paused: {report}"
     assert report["evictions"] == 0 and report["stall_s"] < 10, report
     for trial, epochs in load_records(str(tmp_path), contiguous=scheduler != "pbt").items():
         check_trial_records(spec, epochs, 8, trial)  # a resumed trial's epochs are exact too
