@@ -157,6 +157,27 @@ def _exported_names() -> set[str]:
             if s.name.startswith("ray_coordprep_")}
 
 
+def _scraped_sweep(tmp_path, spec: DataSpec, collect, done, **config) -> list:
+    """Two recorded trials of ``spec`` with evaluation and a node cache, the endpoint scraped by
+    ``collect`` while they run (gauges leave with their actors), then until ``done()`` (bounded:
+    the last exports reach the endpoint on Ray's report interval). Returns the trials."""
+    searcher = CoordinatedSearcher(cache=CacheSpec("8MiB"))
+    with polling(collect):
+        try:
+            analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}),
+                                config={"data": spec, "batch_size": 8, "delay_s": 0.05, "evaluate": True,
+                                        "score": tune.grid_search([1, 2]), "out": str(tmp_path / "out"), **config},
+                                search_alg=searcher, verbose=0)
+        finally:
+            searcher.close()
+        pause = threading.Event()  # never set: a bounded wait, not a sleep standing in for synchronisation
+        for _ in range(30):
+            if done():
+                break
+            pause.wait(0.5)
+    return analysis.trials
+
+
 def test_the_dashboard_names_only_metrics_a_real_sweep_exports(ray_session, tmp_path):
     from coordinated_prep.dashboard import FILE_NAME, dashboard, install, metric_names
     from tests.utils import make_imagefolder
@@ -168,22 +189,9 @@ def test_the_dashboard_names_only_metrics_a_real_sweep_exports(ray_session, tmp_
     spec = DataSpec(dataset=root, pipeline={"size": 16}, seed=2, chunk_size=8, on_error="skip")
     seen: set[str] = set()
     wanted = metric_names(dashboard())
-    searcher = CoordinatedSearcher(cache=CacheSpec("8MiB"))
-    with polling(lambda: seen.update(_exported_names())):  # gauges leave with their actors: collect as it runs
-        try:
-            analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}),
-                                config={"data": spec, "batch_size": 8, "epochs": 2, "delay_s": 0.05,
-                                        "echo": "batch:2", "evaluate": True, "score": tune.grid_search([1, 2]),
-                                        "out": str(tmp_path / "out")},
-                                search_alg=searcher, verbose=0)
-        finally:
-            searcher.close()
-        pause = threading.Event()  # never set: a bounded wait for the last exports to reach the endpoint
-        for _ in range(30):
-            if wanted <= seen:
-                break
-            pause.wait(0.5)
-    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    trials = _scraped_sweep(tmp_path, spec, lambda: seen.update(_exported_names()), lambda: wanted <= seen,
+                            epochs=2, echo="batch:2")
+    assert all(t.status == "TERMINATED" for t in trials), [t.error_file for t in trials]
     assert len(wanted) >= 15, wanted
     assert wanted <= seen, f"the dashboard names series no sweep exported: {sorted(wanted - seen)}"
     # This Ray runs the dashboard, so its Grafana folder exists: the dashboard is installed beside Ray's own.
@@ -218,26 +226,17 @@ def test_the_dashboards_panels_have_series_zeros_included_on_a_sweep_with_no_err
             seen.setdefault(name, set()).update(labels)
 
     wanted = metric_names(dashboard())
-    searcher = CoordinatedSearcher(cache=CacheSpec("8MiB"))
-    with polling(collect):  # gauges leave with their actors: collect as it runs
-        try:
-            analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}),
-                                config={"data": spec, "batch_size": 8, "epochs": 1, "delay_s": 0.05,
-                                        "evaluate": True, "score": tune.grid_search([1, 2]),
-                                        "out": str(tmp_path / "out")},
-                                search_alg=searcher, verbose=0)
-        finally:
-            searcher.close()
-        pause = threading.Event()  # never set: a bounded wait for the last exports to reach the endpoint
-        for _ in range(30):
-            if wanted <= set(seen):
-                break
-            pause.wait(0.5)
-    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    group = spec.group_key
+
+    def done() -> bool:  # this group's own zero series, not only the names (earlier tests' groups export those)
+        kinds = {labels for labels in seen.get("ray_coordprep_errors_total", ()) if f"('group', '{group}')" in labels}
+        return wanted <= set(seen) and all(any(f"('kind', '{k}')" in labels for labels in kinds) for k in ERROR_KINDS)
+
+    trials = _scraped_sweep(tmp_path, spec, collect, done, epochs=2)
+    assert all(t.status == "TERMINATED" for t in trials), [t.error_file for t in trials]
     assert wanted <= set(seen), f"dashboard series with no data on a healthy sweep: {sorted(wanted - set(seen))}"
     # No error and no echo happened, yet each kind and each trial's echo counter has a series (at 0).
-    group = spec.group_key
     kinds = {labels for labels in seen["ray_coordprep_errors_total"] if f"('group', '{group}')" in labels}
-    assert all(any(f"('kind', '{kind}')" in labels for labels in kinds) for kind in ERROR_KINDS), kinds
-    for t in analysis.trials:
+    assert all(any(f"('kind', '{kind}')" in labels for labels in kinds) for kind in ERROR_KINDS), (group, seen.get("ray_coordprep_errors_total"))
+    for t in trials:
         assert any(f"('trial', '{t.trial_id}')" in labels for labels in seen["ray_coordprep_echoed_samples_total"]), t
