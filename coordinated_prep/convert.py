@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 
 from coordinated_prep.contracts import DataSource
 from coordinated_prep.errors import ConfigError
-from coordinated_prep.sources import open_source
-from coordinated_prep.sources.parquet import FORMAT, FORMAT_VERSION, MANIFEST, SCHEMA
+from coordinated_prep.pipeline.sources import open_source
+from coordinated_prep.pipeline.sources.parquet import FORMAT, FORMAT_VERSION, MANIFEST, SCHEMA
 
 logger = logging.getLogger(__name__)
 

@@ -56,9 +56,9 @@ import ray
 from coordinated_prep import metrics
 from coordinated_prep.errors import PrepError
 from coordinated_prep.plan import stream_plan
-from coordinated_prep.sources import open_source
-from coordinated_prep.sources.fingerprint import Fingerprint, index_fingerprint
-from coordinated_prep.sources.shared_index import remember
+from coordinated_prep.pipeline.sources import open_source
+from coordinated_prep.pipeline.sources.fingerprint import Fingerprint, index_fingerprint
+from coordinated_prep.pipeline.sources.shared_index import remember
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.staging import SlotState, StagingBuffer
 from coordinated_prep.watch import Process, ProcessWatch, trial_of

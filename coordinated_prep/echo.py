@@ -19,7 +19,7 @@ echo differently still share one data group, and echo can be searched like a lea
     ready never echoes, and a trial with a batch's worth of samples under the cap never waits.
 ``DataSpec.views`` (before augmentation)
     A data-group option, not a trial's: the prep actors decode each sample once and augment it
-    ``views`` times (:func:`coordinated_prep.chunk.prepare_chunk`).
+    ``views`` times (:func:`coordinated_prep.pipeline.chunk.prepare_chunk`).
 
 Epochs stay exact: an epoch is one pass over the fresh samples, each exactly once as without echo
 (``Batch.repeats == 0`` marks a sample's first delivery in the epoch); repeats are extra steps
@@ -49,7 +49,7 @@ import numpy as np
 from coordinated_prep.errors import ConfigError
 
 if TYPE_CHECKING:  # the setting is parsed where torch is not loaded (a sweep's YAML, the coordinator)
-    from coordinated_prep.batching import Batch, Batcher
+    from coordinated_prep.pipeline.batching import Batch, Batcher
 
 Mode = Literal["off", "example", "batch", "auto"]
 MODES: tuple[str, ...] = ("off", "example", "batch", "auto")
@@ -176,7 +176,7 @@ def echoed(fresh: Batcher, spec: EchoSpec, rng: np.random.Generator) -> Iterator
     """The batches of one epoch: ``fresh``'s batches, with echoes per ``spec``.
 
     Args:
-        fresh: The epoch's fresh batches (a :class:`~coordinated_prep.batching.Batcher` whose
+        fresh: The epoch's fresh batches (a :class:`~coordinated_prep.pipeline.batching.Batcher` whose
             ``ready`` says whether the next one is at hand).
         spec: How to echo.
         rng: The epoch's generator (seeded by the loader: a trial's epoch is reproducible).
@@ -290,7 +290,7 @@ def gather(entries: list[_Entry]) -> Batch:
     """One batch of the given rows, copied into memory the trial owns (rows grouped by source batch)."""
     import torch
 
-    from coordinated_prep.batching import Batch
+    from coordinated_prep.pipeline.batching import Batch
     by_batch: dict[int, tuple[Batch, list[int], list[int]]] = {}
     for batch, row, _, repeat in entries:
         _, rows, repeats = by_batch.setdefault(id(batch), (batch, [], []))

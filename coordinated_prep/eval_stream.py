@@ -8,12 +8,12 @@ from typing import Iterator
 
 import ray
 
-from coordinated_prep.backends import make_preprocessor
-from coordinated_prep.chunk import PreparedChunk, eval_chunk
+from coordinated_prep.pipeline.backends import make_preprocessor
+from coordinated_prep.pipeline.chunk import PreparedChunk, eval_chunk
 from coordinated_prep.eval_set import STREAM_AHEAD, eval_pieces
 from coordinated_prep.plan import holdout_split, piece_size
 from coordinated_prep.readonly import protect
-from coordinated_prep.sources import open_source
+from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.streams import fetch, find_registry
 

@@ -11,7 +11,7 @@ import weakref
 from typing import Any, Generator, Iterator, Mapping
 
 from coordinated_prep import metrics
-from coordinated_prep.batching import Batch, Batcher, BatchStats, batched
+from coordinated_prep.pipeline.batching import Batch, Batcher, BatchStats, batched
 from coordinated_prep.echo import EchoCounts, EchoSpec, echoed, epoch_rng
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.eval_stream import private_eval_pieces, shared_eval_pieces

@@ -7,14 +7,14 @@ import time
 import numpy as np
 import ray
 
-from coordinated_prep.backends import make_preprocessor
+from coordinated_prep.pipeline.backends import make_preprocessor
 from coordinated_prep.cache.layout import CacheLayout
 from coordinated_prep.cache.reader import CachedSource
 from coordinated_prep.cache.spec import CacheSpec
-from coordinated_prep.chunk import ChunkTiming, PreparedChunk, eval_chunk, prepare_chunk
+from coordinated_prep.pipeline.chunk import ChunkTiming, PreparedChunk, eval_chunk, prepare_chunk
 from coordinated_prep.contracts import DataSource, Preprocessor
 from coordinated_prep.plan import holdout_split
-from coordinated_prep.sources import open_source
+from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.spec import DataSpec, PipelineSpec
 
 _KEPT = 16  # datasets and pipelines kept open per actor (a sweep has a few)
@@ -38,7 +38,7 @@ class PrepActor:
     def __init__(self, cache: tuple[CacheLayout, CacheSpec] | None = None) -> None:
         import torch
 
-        import coordinated_prep.backends.torchvision_backend  # noqa: F401  (now, not in the first piece)
+        import coordinated_prep.pipeline.backends.torchvision_backend  # noqa: F401  (now, not in the first piece)
 
         torch.set_num_threads(1)  # one actor per core: intra-op threads would only oversubscribe
         self._cache = cache

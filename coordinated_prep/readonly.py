@@ -8,7 +8,7 @@ SIGSEGV (``faulthandler`` prints the Python stack in the trial's log) instead of
 neighbours. The page protection is per process: other readers and the object store are untouched.
 
 Layout (who owns what): the prep actor lays each piece's images inside a buffer with a page of
-padding before and after (:func:`padded_empty`), and :class:`~coordinated_prep.chunk.PreparedChunk`
+padding before and after (:func:`padded_empty`), and :class:`~coordinated_prep.pipeline.chunk.PreparedChunk`
 pickles the whole buffer, so the pages around the images belong to the piece's own object and
 protecting them never touches another object's bytes. The trial restores the pages' protection
 when its last view of the piece is collected (before Ray may reuse the memory), counting

@@ -41,9 +41,9 @@ from coordinated_prep.naming import NAMESPACE
 from coordinated_prep.plan import piece_size
 from coordinated_prep.pool.node import NodePool, node_table
 from coordinated_prep.pool.spec import PoolSpec, split_budget
-from coordinated_prep.sources import folder_root
-from coordinated_prep.sources.fingerprint import Fingerprint, check_same_index
-from coordinated_prep.sources.shared_index import walk
+from coordinated_prep.pipeline.sources import folder_root
+from coordinated_prep.pipeline.sources.fingerprint import Fingerprint, check_same_index
+from coordinated_prep.pipeline.sources.shared_index import walk
 from coordinated_prep.spec import DataSpec
 
 logger = logging.getLogger(__name__)

@@ -10,13 +10,13 @@ from typing import Any, Protocol
 
 import ray
 
-from coordinated_prep.backends import make_preprocessor
-from coordinated_prep.chunk import PreparedChunk, prepare_chunk
+from coordinated_prep.pipeline.backends import make_preprocessor
+from coordinated_prep.pipeline.chunk import PreparedChunk, prepare_chunk
 from coordinated_prep.errors import ConfigError, PrepError
 from coordinated_prep.naming import NAMESPACE, registry_name
 from coordinated_prep.plan import stream_plan
 from coordinated_prep.readonly import protect
-from coordinated_prep.sources import open_source
+from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.watch import this_process
 

@@ -9,10 +9,10 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from coordinated_prep import DataSpec
-from coordinated_prep.backends import make_preprocessor
-from coordinated_prep.chunk import prepare_chunk
+from coordinated_prep.pipeline.backends import make_preprocessor
+from coordinated_prep.pipeline.chunk import prepare_chunk
 from coordinated_prep.plan import holdout_split
-from coordinated_prep.sources import open_source
+from coordinated_prep.pipeline.sources import open_source
 
 
 def assert_exactly_once(epochs: Sequence[np.ndarray], expected: Iterable[int], who: str = "trial") -> None:

@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from coordinated_prep import PipelineSpec, SampleError
-from coordinated_prep.backends import make_preprocessor
-from coordinated_prep.backends.augment import crop_params
-from coordinated_prep.chunk import prepare_chunk
-from coordinated_prep.sources import ImageFolderSource
+from coordinated_prep.pipeline.backends import make_preprocessor
+from coordinated_prep.pipeline.backends.augment import crop_params
+from coordinated_prep.pipeline.chunk import prepare_chunk
+from coordinated_prep.pipeline.sources import ImageFolderSource
 from tests.utils import make_imagefolder
 
 

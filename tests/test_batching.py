@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinated_prep.batching import BatchStats, batched
-from coordinated_prep.chunk import PreparedChunk
+from coordinated_prep.pipeline.batching import BatchStats, batched
+from coordinated_prep.pipeline.chunk import PreparedChunk
 from coordinated_prep.plan import piece_size
 from tests.harness import assert_exactly_once
 

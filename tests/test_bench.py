@@ -16,8 +16,8 @@ from coordinated_prep.bench.cpu import ROLES, ProcessSampler, cpu_by_role, machi
 from coordinated_prep.cli import main
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.plan import holdout_split
-from coordinated_prep.sources import open_source
-from coordinated_prep.sources.parquet import MANIFEST
+from coordinated_prep.pipeline.sources import open_source
+from coordinated_prep.pipeline.sources.parquet import MANIFEST
 from tests.conftest import live_coordprep_actors
 
 

@@ -16,7 +16,7 @@ from coordinated_prep.cache import CacheSpec, LruPolicy
 from coordinated_prep.cache.actor import RawCache, Region
 from coordinated_prep.cache.arena import ArenaReader
 from coordinated_prep.plan import StreamPlan, holdout_split
-from coordinated_prep.sources import open_source
+from coordinated_prep.pipeline.sources import open_source
 from tests.conftest import live_coordprep_actors
 from tests.harness import check_trial_records
 from tests.recording import load_records, record

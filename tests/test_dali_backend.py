@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from coordinated_prep import PipelineSpec
-from coordinated_prep.backends import make_preprocessor
-from coordinated_prep.chunk import prepare_chunk
+from coordinated_prep.pipeline.backends import make_preprocessor
+from coordinated_prep.pipeline.chunk import prepare_chunk
 from coordinated_prep.errors import ConfigError
-from coordinated_prep.sources import ImageFolderSource
+from coordinated_prep.pipeline.sources import ImageFolderSource
 from tests.utils import make_imagefolder
 
 SPEC = dict(size=32, scale=(0.2, 1.0), hflip=0.5)

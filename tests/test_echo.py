@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinated_prep.batching import Batcher
-from coordinated_prep.chunk import PreparedChunk
+from coordinated_prep.pipeline.batching import Batcher
+from coordinated_prep.pipeline.chunk import PreparedChunk
 from coordinated_prep.echo import EchoCounts, EchoSpec, echoed
 from coordinated_prep.errors import ConfigError
 from tests.harness import assert_fresh_exactly_once
@@ -124,15 +124,15 @@ def test_a_batch_built_by_hand_is_all_fresh_and_a_piece_with_views_pickles_whole
 
     import torch
 
-    from coordinated_prep.batching import Batch
+    from coordinated_prep.pipeline.batching import Batch
 
     batch = Batch(torch.zeros(2, 3, 2, 2, dtype=torch.uint8), torch.tensor([1, 2]), torch.tensor([5, 6]),
                   torch.tensor([0, 0]))
     assert batch.repeats.tolist() == [0, 0]
-    from coordinated_prep.chunk import prepare_chunk
-    from coordinated_prep.backends import make_preprocessor
+    from coordinated_prep.pipeline.chunk import prepare_chunk
+    from coordinated_prep.pipeline.backends import make_preprocessor
     from coordinated_prep.readonly import padded_base
-    from coordinated_prep.sources import open_source
+    from coordinated_prep.pipeline.sources import open_source
     from coordinated_prep.spec import PipelineSpec
 
     chunk, _ = prepare_chunk(open_source("builtin:shapes"), make_preprocessor(PipelineSpec(size=16)), 0, 0,
@@ -186,9 +186,9 @@ def test_auto_waits_for_fresh_data_with_nothing_to_echo():
 # ---- views before augmentation: one decode, k deterministic and distinct views ---------------------------------
 
 def test_views_are_deterministic_distinct_and_view_zero_is_the_plain_draw(monkeypatch):
-    from coordinated_prep.backends import make_preprocessor, torchvision_backend
-    from coordinated_prep.chunk import prepare_chunk
-    from coordinated_prep.sources import open_source
+    from coordinated_prep.pipeline.backends import make_preprocessor, torchvision_backend
+    from coordinated_prep.pipeline.chunk import prepare_chunk
+    from coordinated_prep.pipeline.sources import open_source
     from coordinated_prep.spec import PipelineSpec
 
     source = open_source("builtin:shapes")
@@ -212,10 +212,10 @@ def test_views_are_deterministic_distinct_and_view_zero_is_the_plain_draw(monkey
 
 
 def test_views_with_a_skipped_sample_close_the_gap_in_every_view():
-    from coordinated_prep.backends import make_preprocessor
-    from coordinated_prep.chunk import prepare_chunk
+    from coordinated_prep.pipeline.backends import make_preprocessor
+    from coordinated_prep.pipeline.chunk import prepare_chunk
     from coordinated_prep.errors import SampleError
-    from coordinated_prep.sources import open_source
+    from coordinated_prep.pipeline.sources import open_source
     from coordinated_prep.spec import PipelineSpec
 
     source = open_source("builtin:shapes")

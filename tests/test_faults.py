@@ -14,7 +14,7 @@ from ray import tune
 
 from coordinated_prep import CoordinatedSearcher, DataSpec
 from tests.conftest import REPO, live_coordprep_actors, plasma_objects, plasma_objects_settled, settled
-from coordinated_prep.sources import open_source
+from coordinated_prep.pipeline.sources import open_source
 from tests.harness import assert_exactly_once, check_trial_records, train_ids
 from tests.utils import make_imagefolder
 from tests.recording import load_records, pids_titled, record
@@ -138,7 +138,7 @@ def test_evaluation_with_a_corrupt_held_out_file_under_skip(ray_session, tmp_pat
 
     from coordinated_prep import CoordinatedSearcher
     from coordinated_prep.plan import holdout_split
-    from coordinated_prep.sources import ImageFolderSource
+    from coordinated_prep.pipeline.sources import ImageFolderSource
     from tests.recording import record
     from tests.utils import make_imagefolder
 

@@ -9,8 +9,8 @@ import pytest
 
 from coordinated_prep import DatasetError
 from coordinated_prep.convert import convert_imagefolder
-from coordinated_prep.sources import ImageFolderSource, ParquetSource, open_source
-from coordinated_prep.sources.fingerprint import check_same_index, index_fingerprint
+from coordinated_prep.pipeline.sources import ImageFolderSource, ParquetSource, open_source
+from coordinated_prep.pipeline.sources.fingerprint import check_same_index, index_fingerprint
 
 
 def _copy(small_dataset: str, tmp_path, name: str) -> str:

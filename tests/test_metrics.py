@@ -19,7 +19,7 @@ from coordinated_prep import CoordinatedSearcher, DataSpec
 from coordinated_prep.cache import CacheSpec
 from coordinated_prep.metrics import DEFINITIONS
 from coordinated_prep.plan import holdout_split
-from coordinated_prep.sources import open_source
+from coordinated_prep.pipeline.sources import open_source
 from tests.conftest import REPO
 from tests.harness import train_ids
 from tests.recording import record

@@ -22,7 +22,7 @@ from coordinated_prep import CoordinatedSearcher, DataSpec
 from coordinated_prep.cache import CacheLayout, CacheSpec
 from coordinated_prep.cache.arena import arena_dir
 from coordinated_prep.plan import holdout_split
-from coordinated_prep.sources import open_source
+from coordinated_prep.pipeline.sources import open_source
 from tests.conftest import REPO
 from tests.harness import check_trial_records
 from tests.recording import Gate, load_records, record

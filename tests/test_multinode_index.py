@@ -16,7 +16,7 @@ from ray import tune
 from ray.tune import PlacementGroupFactory
 
 from coordinated_prep import CoordinatedSearcher, DataSpec
-from coordinated_prep.sources import shapes
+from coordinated_prep.pipeline.sources import shapes
 from tests.conftest import REPO, live_coordprep_actors
 from tests.recording import record
 from tests.test_shared_index import _async_actor_logs_with

@@ -20,8 +20,8 @@ from coordinated_prep import ConfigError, DataSpec, DatasetError, SampleError
 from coordinated_prep.cli import _ProgressBar, main
 from coordinated_prep.convert import convert_imagefolder
 from coordinated_prep.loader import eval_loader, train_loader
-from coordinated_prep.sources import ImageFolderSource, ParquetSource, open_source, shapes
-from coordinated_prep.sources.parquet import MANIFEST
+from coordinated_prep.pipeline.sources import ImageFolderSource, ParquetSource, open_source, shapes
+from coordinated_prep.pipeline.sources.parquet import MANIFEST
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_a_read_decodes_one_row_group_of_the_image_column_only(shapes_root, tmp_
 _FORKED_READS = """
 import pickle, sys
 import torch
-from coordinated_prep.sources import ParquetSource
+from coordinated_prep.pipeline.sources import ParquetSource
 
 class Reads(torch.utils.data.Dataset):
     def __init__(self, source):

@@ -9,8 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from coordinated_prep.batching import batched
-from coordinated_prep.chunk import PreparedChunk
+from coordinated_prep.pipeline.batching import batched
+from coordinated_prep.pipeline.chunk import PreparedChunk
 from coordinated_prep import readonly
 from coordinated_prep.readonly import PAGE, padded_base, padded_empty, protect, protected_ranges
 

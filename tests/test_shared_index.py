@@ -9,8 +9,8 @@ import numpy as np
 from ray import tune
 
 from coordinated_prep import CoordinatedSearcher, DataSpec, PoolSpec
-from coordinated_prep.sources import ImageFolderSource
-from coordinated_prep.sources.folder_index import scan
+from coordinated_prep.pipeline.sources import ImageFolderSource
+from coordinated_prep.pipeline.sources.folder_index import scan
 from tests.harness import check_trial_records
 from tests.recording import load_records, record
 from tests.utils import FileOpens, make_imagefolder

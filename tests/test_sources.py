@@ -8,7 +8,7 @@ from PIL import Image
 from torchvision.datasets import ImageFolder
 
 from coordinated_prep import DatasetError
-from coordinated_prep.sources import ImageFolderSource, open_source, shapes
+from coordinated_prep.pipeline.sources import ImageFolderSource, open_source, shapes
 from tests.utils import make_imagefolder
 
 
@@ -61,7 +61,7 @@ def test_builtin_shapes_default_size_is_a_few_thousand_images_of_at_least_128_px
 
 
 def test_builtin_photos_are_crops_of_a_photograph_in_two_learnable_classes(monkeypatch, tmp_path):
-    from coordinated_prep.sources import photos
+    from coordinated_prep.pipeline.sources import photos
 
     assert photos.IMAGES_PER_CLASS * len(photos.CLASSES) >= 4000  # the benchmark's size
     monkeypatch.setattr(photos, "IMAGES_PER_CLASS", 3)

@@ -10,7 +10,7 @@ import sys
 import textwrap
 import time
 
-from coordinated_prep.sources.shapes import ensure_shapes
+from coordinated_prep.pipeline.sources.shapes import ensure_shapes
 from coordinated_prep.sweep.config import load_sweep
 from coordinated_prep.sweep.runner import LOOPBACK, init_kwargs, run_sweep
 from tests.conftest import REPO

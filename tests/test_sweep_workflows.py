@@ -14,7 +14,7 @@ from ray import tune
 from coordinated_prep import eval_loader
 from coordinated_prep.loader import resolve_spec
 from coordinated_prep.plan import holdout_split
-from coordinated_prep.sources import open_source
+from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.sweep.config import load_sweep
 from coordinated_prep.sweep.runner import run_sweep
 from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled

@@ -7,7 +7,7 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler
 
 from coordinated_prep import CoordinatedSearcher, DataSpec, train_loader
-from coordinated_prep.sources import open_source
+from coordinated_prep.pipeline.sources import open_source
 from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled
 from tests.harness import check_trial_records as _check_trial
 from tests.harness import sample_digests

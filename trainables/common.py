@@ -15,7 +15,7 @@ from coordinated_prep import eval_loader, train_loader
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.memory.modes import apply_memory
 from coordinated_prep.memory.packing import cap_gpu_memory
-from coordinated_prep.sources import open_source
+from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.loader import resolve_spec
 
 logger = logging.getLogger(__name__)

@@ -28,10 +28,10 @@ from coordinated_prep.analyze import measure
 from coordinated_prep.analyze.coordinated import RUN_SAMPLES, coordinated_runs, run_length, summarize
 from coordinated_prep.analyze.coordinated import TRIALS as MEASURED_TRIALS
 from coordinated_prep.analyze.model import Rates, against_measured, predict, stalls
-from coordinated_prep.backends import make_preprocessor
+from coordinated_prep.pipeline.backends import make_preprocessor
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.plan import holdout_split
-from coordinated_prep.sources import open_source
+from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.sweep.config import Dimension, SweepConfig
 
 logger = logging.getLogger(__name__)

@@ -106,7 +106,7 @@ def node_cache_rows(dataset: str, files: Sequence[str], ids: Sequence[int] | np.
 def _cached_passes(dataset: str, layout: Any, spec: Any, order: list[int]) -> list[tuple[float, int]]:
     """Two passes over ``order`` through a :class:`CachedSource`, read a piece (64 samples) at a time."""
     from coordinated_prep.cache.reader import CachedSource
-    from coordinated_prep.sources import open_source
+    from coordinated_prep.pipeline.sources import open_source
 
     reader = CachedSource(open_source(dataset), dataset, layout, spec)
     out = []

@@ -28,7 +28,7 @@ from coordinated_prep.errors import ConfigError
 from coordinated_prep.plan import holdout_split
 from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.searcher import CoordinatedSearcher
-from coordinated_prep.sources import ImageFolderSource, ParquetSource, open_source
+from coordinated_prep.pipeline.sources import ImageFolderSource, ParquetSource, open_source
 from coordinated_prep.spec import DataSpec
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ def decode_bound(cfg: BenchConfig, source: ImageFolderSource, train_ids: Any, sa
     machine's cores can prepare: the coordinated loaders' unique rates are compared with it."""
     import torch
 
-    from coordinated_prep.backends import make_preprocessor
+    from coordinated_prep.pipeline.backends import make_preprocessor
 
     spec = data_spec(cfg, "coordinated-torchvision")
     prep = make_preprocessor(spec.pipeline)  # type: ignore[arg-type]

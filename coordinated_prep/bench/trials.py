@@ -19,9 +19,9 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
-from coordinated_prep.backends import make_preprocessor
+from coordinated_prep.pipeline.backends import make_preprocessor
 from coordinated_prep.plan import holdout_split
-from coordinated_prep.sources import open_source
+from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.spec import DataSpec
 
 
@@ -176,7 +176,7 @@ class _DaliReader:
     """A DALI pipeline as its documentation writes one: file reader, random-crop decoder, resize, flip."""
 
     def __init__(self, source: Any, ids: np.ndarray, spec: DataSpec, batch: int, threads: int, seed: int) -> None:
-        from coordinated_prep.backends.dali_backend import import_dali
+        from coordinated_prep.pipeline.backends.dali_backend import import_dali
 
         fn, types, pipeline_def = import_dali()
         p = spec.pipeline

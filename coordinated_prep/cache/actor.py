@@ -28,7 +28,7 @@ from coordinated_prep.cache.arena import Arena, ArenaId
 from coordinated_prep.cache.policy import MinioPolicy
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import CacheError, SampleError
-from coordinated_prep.sources import open_source, open_source_async
+from coordinated_prep.pipeline.sources import open_source, open_source_async
 
 logger = logging.getLogger(__name__)
 

@@ -62,7 +62,7 @@ def measure_peaks(cfg: SweepConfig) -> dict[str, int]:
     from concurrent.futures import ProcessPoolExecutor
 
     from coordinated_prep.memory.run import sweep_configs
-    from coordinated_prep.sources import open_source
+    from coordinated_prep.pipeline.sources import open_source
 
     configs = sweep_configs(cfg)
     classes = len(open_source(cfg.data.dataset).classes)

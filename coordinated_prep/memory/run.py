@@ -65,7 +65,7 @@ def run_memory(cfg: SweepConfig, steps: int = 3, warmup: int = 1, threads: int |
     On a CPU the configurations are stepped in rounds (one step of each per round), so that load from
     other processes falls on all of them alike; on CUDA one after the other, so each peak is its own.
     """
-    from coordinated_prep.sources import open_source
+    from coordinated_prep.pipeline.sources import open_source
 
     if steps < 1 or warmup < 0:
         raise ConfigError(f"memory: --steps={steps} must be >= 1 and --warmup={warmup} >= 0")

@@ -203,7 +203,7 @@ def resolve_trainable(name: str, where: str = "trainable") -> Callable[[dict], N
 
 
 def _check_dataset(dataset: str) -> None:
-    from coordinated_prep.sources import BUILTIN_DATASETS
+    from coordinated_prep.pipeline.sources import BUILTIN_DATASETS
 
     if dataset.startswith("builtin:"):
         if dataset not in BUILTIN_DATASETS:

@@ -16,7 +16,7 @@ import os
 import numpy as np
 from PIL import Image, ImageEnhance
 
-from coordinated_prep.sources.shapes import cache_dir, generate_into
+from coordinated_prep.pipeline.sources.shapes import cache_dir, generate_into
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from coordinated_prep.errors import DatasetError
 from coordinated_prep.naming import NAMESPACE, registry_name
-from coordinated_prep.sources.folder_index import FolderIndex, scan
+from coordinated_prep.pipeline.sources.folder_index import FolderIndex, scan
 
 logger = logging.getLogger(__name__)
 

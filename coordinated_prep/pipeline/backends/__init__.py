@@ -11,11 +11,11 @@ __all__ = ["make_preprocessor"]
 def make_preprocessor(pipeline: PipelineSpec) -> Preprocessor:
     """The preprocessor for ``pipeline.backend``; heavy backends are imported only here."""
     if pipeline.backend == "torchvision":
-        from coordinated_prep.backends.torchvision_backend import TorchvisionPreprocessor
+        from coordinated_prep.pipeline.backends.torchvision_backend import TorchvisionPreprocessor
 
         return TorchvisionPreprocessor(pipeline)
     if pipeline.backend == "dali":
-        from coordinated_prep.backends.dali_backend import DaliPreprocessor
+        from coordinated_prep.pipeline.backends.dali_backend import DaliPreprocessor
 
         return DaliPreprocessor(pipeline)
     raise ValueError(f"pipeline.backend={pipeline.backend!r} has no implementation")  # unreachable: spec checks

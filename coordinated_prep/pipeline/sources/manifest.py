@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from coordinated_prep.errors import DatasetError
-from coordinated_prep.sources import PARQUET_MANIFEST
+from coordinated_prep.pipeline.sources import PARQUET_MANIFEST
 
 MANIFEST = PARQUET_MANIFEST
 FORMAT = "coordprep-parquet"

@@ -2,7 +2,7 @@
 
 Walking a tree of 200,000 files costs a process about a second even with a warm dentry cache, and an
 ImageNet-sized tree several. In a sweep the walk is done once per dataset and node
-(:mod:`coordinated_prep.sources.shared_index`), and every other process of the node (coordinators,
+(:mod:`coordinated_prep.pipeline.sources.shared_index`), and every other process of the node (coordinators,
 prep actors, trials) maps the result from the object store: the file names are one byte array and
 an offset array, not a million Python strings.
 """

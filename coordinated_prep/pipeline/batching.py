@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from coordinated_prep.chunk import PreparedChunk
+from coordinated_prep.pipeline.chunk import PreparedChunk
 
 
 @dataclass(frozen=True)

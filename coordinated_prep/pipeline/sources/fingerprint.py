@@ -56,13 +56,13 @@ def index_fingerprint(source: DataSource, dataset: str | None = None) -> Fingerp
     """The fingerprint of ``source``'s index on this node.
 
     Args:
-        source: The opened data source (``coordinated_prep.sources.open_source(dataset)``).
+        source: The opened data source (``coordinated_prep.pipeline.sources.open_source(dataset)``).
         dataset: The ``DataSpec.dataset`` it was opened from; a ``builtin:`` name gets a stable value.
 
     Raises:
         DatasetError: A file of the index vanished since the source was opened (naming it).
     """
-    from coordinated_prep.sources.imagefolder import ImageFolderSource
+    from coordinated_prep.pipeline.sources.imagefolder import ImageFolderSource
 
     h = hashlib.sha256()
     classes = tuple(source.classes)
@@ -79,7 +79,7 @@ def index_fingerprint(source: DataSource, dataset: str | None = None) -> Fingerp
         return Fingerprint(h.hexdigest(), "imagefolder", len(source), len(classes), total)
     shards = getattr(source, "shards", None)
     if shards is not None and hasattr(source, "row_group_size"):  # a ParquetSource (pyarrow not imported here)
-        from coordinated_prep.sources.manifest import read_manifest
+        from coordinated_prep.pipeline.sources.manifest import read_manifest
 
         manifest = read_manifest(source.root)
         _add(h, "parquet", str(manifest["row_group_size"]))

@@ -1,7 +1,7 @@
 """Preprocessing with NVIDIA DALI (``nvidia-dali-cuda120``): CPU operators, or GPU decoding where one exists.
 
 The same declarative spec as the torchvision backend: the crop box and flip of each sample come
-from :func:`~coordinated_prep.backends.augment.crop_params` (pure in seed, epoch and index), and
+from :func:`~coordinated_prep.pipeline.backends.augment.crop_params` (pure in seed, epoch and index), and
 DALI decodes only that region (``decoders.image_slice``), resizes it with antialiasing, flips it and
 lays it out as uint8 CHW. Outputs equal the torchvision backend's in shape, dtype and alignment;
 pixel values differ slightly (another resampler). Pieces are prepared a batch at a time
@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image
 
-from coordinated_prep.backends.augment import crop_params
+from coordinated_prep.pipeline.backends.augment import crop_params
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.spec import PipelineSpec
 

@@ -9,7 +9,7 @@ import torch
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms.v2 import functional as F
 
-from coordinated_prep.backends.augment import crop_params
+from coordinated_prep.pipeline.backends.augment import crop_params
 from coordinated_prep.spec import PipelineSpec
 
 # torchvision 0.29 warns on every decode that torchcodec will take over; once per sample would

@@ -13,8 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from coordinated_prep.errors import DatasetError, SampleError
-from coordinated_prep.sources.manifest import CONVERT_HINT as _CONVERT_HINT
-from coordinated_prep.sources.manifest import FORMAT, FORMAT_VERSION, MANIFEST, read_manifest
+from coordinated_prep.pipeline.sources.manifest import CONVERT_HINT as _CONVERT_HINT
+from coordinated_prep.pipeline.sources.manifest import FORMAT, FORMAT_VERSION, MANIFEST, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class ParquetSource:
     Raises:
         DatasetError: Missing or unreadable manifest, another format version, a bad field (a shard
             path outside ``root``, a count that is not an integer: see
-            :func:`coordinated_prep.sources.manifest.read_manifest`), a missing shard, or a shard
+            :func:`coordinated_prep.pipeline.sources.manifest.read_manifest`), a missing shard, or a shard
             whose rows do not match the manifest.
     """
 

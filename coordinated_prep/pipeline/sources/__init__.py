@@ -8,11 +8,11 @@ import os
 
 from coordinated_prep.contracts import DataSource
 from coordinated_prep.errors import DatasetError
-from coordinated_prep.sources.imagefolder import ImageFolderSource
-from coordinated_prep.sources.shapes import ensure_shapes
+from coordinated_prep.pipeline.sources.imagefolder import ImageFolderSource
+from coordinated_prep.pipeline.sources.shapes import ensure_shapes
 
 BUILTIN_DATASETS = ("builtin:shapes", "builtin:shapes-large", "builtin:photos")
-#: The Parquet dataset manifest's file name (``coordinated_prep.sources.parquet.MANIFEST``). The
+#: The Parquet dataset manifest's file name (``coordinated_prep.pipeline.sources.parquet.MANIFEST``). The
 #: Parquet module is imported only for a Parquet dataset: pyarrow costs a process about 50 MB, and
 #: coordinators, registries and caches open sources too.
 PARQUET_MANIFEST = "coordprep-parquet.json"
@@ -27,7 +27,7 @@ def open_source(dataset: str) -> DataSource:
     ``builtin:<name>`` is a generated ImageFolder; a directory holding ``coordprep-parquet.json``
     (written by ``coordprep convert``) is a :class:`ParquetSource`; any other directory is read as
     an ImageFolder. In a process of a coordinated sweep, an ImageFolder's index comes from the
-    sweep (walked once per node, :mod:`coordinated_prep.sources.shared_index`).
+    sweep (walked once per node, :mod:`coordinated_prep.pipeline.sources.shared_index`).
 
     Raises:
         DatasetError: Unknown builtin name, missing directory, an unusable layout, or a Parquet
@@ -37,12 +37,12 @@ def open_source(dataset: str) -> DataSource:
         if dataset not in BUILTIN_DATASETS:
             raise DatasetError(f"dataset {dataset!r}: unknown builtin dataset; choose one of {list(BUILTIN_DATASETS)}")
         if dataset == "builtin:photos":
-            from coordinated_prep.sources.photos import ensure_photos
+            from coordinated_prep.pipeline.sources.photos import ensure_photos
 
             return _image_folder(ensure_photos())
         return _image_folder(ensure_shapes(variant=dataset.removeprefix("builtin:")))
     if os.path.isfile(os.path.join(dataset, PARQUET_MANIFEST)):
-        from coordinated_prep.sources.parquet import ParquetSource
+        from coordinated_prep.pipeline.sources.parquet import ParquetSource
 
         source: DataSource = ParquetSource(dataset)
     elif glob.glob(os.path.join(glob.escape(dataset), "*.parquet")):
@@ -64,7 +64,7 @@ def folder_root(dataset: str) -> str | None:
         if dataset not in BUILTIN_DATASETS:
             return None  # open_source raises the error naming the choices
         if dataset == "builtin:photos":
-            from coordinated_prep.sources.photos import ensure_photos
+            from coordinated_prep.pipeline.sources.photos import ensure_photos
 
             return os.path.abspath(ensure_photos())
         return os.path.abspath(ensure_shapes(variant=dataset.removeprefix("builtin:")))
@@ -79,7 +79,7 @@ async def open_source_async(dataset: str) -> DataSource:
     thread."""
     import asyncio
 
-    from coordinated_prep.sources.shared_index import shared_index_async
+    from coordinated_prep.pipeline.sources.shared_index import shared_index_async
 
     root = await asyncio.to_thread(folder_root, dataset)
     if root is not None:
@@ -89,14 +89,14 @@ async def open_source_async(dataset: str) -> DataSource:
 
 def _image_folder(root: str) -> ImageFolderSource:
     """An ImageFolder from the sweep's index of it on this node (walked once per node), else walked here."""
-    from coordinated_prep.sources.shared_index import shared_index
+    from coordinated_prep.pipeline.sources.shared_index import shared_index
 
     return ImageFolderSource(root, shared_index(os.path.abspath(root)))
 
 
 def __getattr__(name: str) -> object:
     if name == "ParquetSource":  # imported on first use (pyarrow)
-        from coordinated_prep.sources.parquet import ParquetSource
+        from coordinated_prep.pipeline.sources.parquet import ParquetSource
 
         return ParquetSource
-    raise AttributeError(f"module 'coordinated_prep.sources' has no attribute {name!r}")
+    raise AttributeError(f"module 'coordinated_prep.pipeline.sources' has no attribute {name!r}")

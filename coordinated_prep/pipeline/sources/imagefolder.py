@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from coordinated_prep.errors import SampleError
-from coordinated_prep.sources.folder_index import IMAGE_EXTENSIONS, FolderIndex, PathList, scan
+from coordinated_prep.pipeline.sources.folder_index import IMAGE_EXTENSIONS, FolderIndex, PathList, scan
 
 logger = logging.getLogger(__name__)
 

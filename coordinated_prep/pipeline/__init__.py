@@ -1,0 +1,7 @@
+"""The input pipeline, stage by stage: where samples come from, how they are transformed, and how
+prepared samples are stacked into pieces and cut into a trial's batches.
+
+- ``sources/``: datasets of encoded samples (ImageFolder, Parquet records, the built-in ones).
+- ``backends/``: the built-in image transforms (torchvision and DALI).
+- ``chunk.py``: preparing one piece; ``batching.py``: cutting pieces into batches.
+"""
