@@ -56,6 +56,7 @@ import ray
 from coordinated_prep import metrics
 from coordinated_prep.errors import PrepError
 from coordinated_prep.plan import stream_plan
+from coordinated_prep.pipeline.probe import Probe
 from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.pipeline.sources.fingerprint import Fingerprint, index_fingerprint
 from coordinated_prep.pipeline.sources.shared_index import remember
@@ -80,15 +81,27 @@ class Coordinator:
         index: The sweep's index of the dataset on this node (an ImageFolder's), resolved by Ray
             before this runs, so that opening the dataset here makes no blocking ``ray.get`` (in an
             async actor it blocks the event loop); None: the dataset is opened as anywhere else.
+        start: (samples in the dataset, the group's :class:`~coordinated_prep.pipeline.probe.Probe`),
+            found by a prep actor at the group's start; None (tests): probed here from one sample.
     """
 
-    def __init__(self, spec: DataSpec, name: str, actors: list[Any], budget_bytes: int, index: Any = None) -> None:
+    def __init__(self, spec: DataSpec, name: str, actors: list[Any], budget_bytes: int, index: Any = None,
+                 start: tuple[int, Probe] | None = None) -> None:
         if index is not None:
             remember(index)
         self.spec = spec
         self.name = name
-        self.plan = stream_plan(len(open_source(spec.dataset)), spec.seed, spec.holdout, spec.chunk_size,
-                                spec.segments)
+        samples, found = start if start is not None else (None, None)
+        if found is None:  # a coordinator made by hand (tests): the built-in pipeline's layout, from one sample
+            from coordinated_prep.pipeline.probe import probe
+            from coordinated_prep.pipeline.transforms import make_pipeline
+
+            pipeline = make_pipeline(spec)
+            samples, found = len(pipeline), probe(pipeline, spec.seed, [0], spec.ragged, spec.views)
+        self.layout = found.layout
+        self.sample_bytes = found.sample_bytes  # all views of one sample (the probe's largest for ragged leaves)
+        self.box = [ray.put(spec)]  # owned here: each prep actor fetches the spec (and its dataset) once
+        self.plan = stream_plan(samples, spec.seed, spec.holdout, spec.chunk_size, spec.segments)
         node_id = ray.get_runtime_context().get_node_id()
         n_actors = len(actors)
         lookahead = spec.lookahead or max(8, 4 * n_actors)
@@ -251,8 +264,10 @@ class Coordinator:
         metrics.set_gauge("staging_budget_bytes", budget_bytes, group=self.group)
         await self._notify()
 
-    async def fingerprint(self) -> Fingerprint:
+    async def fingerprint(self) -> Fingerprint | None:
         """The fingerprint of this node's copy of the dataset's index (compared across nodes)."""
+        if not isinstance(self.spec.dataset, str):
+            return None  # a dataset object or factory: the same object on every node
         return await asyncio.to_thread(index_fingerprint, open_source(self.spec.dataset), self.spec.dataset)
 
     async def report(self) -> dict[str, Any]:
@@ -311,7 +326,7 @@ class Coordinator:
                     self._enforce_lease()
 
     def _head_bytes(self) -> int:
-        return self.plan.chunk_len(self.buffer.head) * self.spec.sample_bytes
+        return self.plan.chunk_len(self.buffer.head) * self.sample_bytes
 
     def _producer_state(self) -> str:
         """``go`` (reserve the head now), ``stalled`` (the budget is full of pieces some trials have
@@ -329,7 +344,8 @@ class Coordinator:
         slot = self.buffer.reserve(self._head_bytes())
         epoch, _ = self.plan.locate(g)
         actor = self.actors[g % len(self.actors)]
-        timing_ref, chunk_ref = actor.prepare.options(num_returns=2).remote(self.spec, epoch, self.plan.chunk_samples(g))
+        timing_ref, chunk_ref = actor.prepare.options(num_returns=2).remote(
+            self.spec.group_key, self.box, epoch, self.plan.chunk_samples(g), self.layout)
         self.in_flight += 1
         self.tasks[g] = timing_ref
         task = asyncio.get_running_loop().create_task(self._settle(slot.g, timing_ref, chunk_ref))

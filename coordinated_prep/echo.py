@@ -38,7 +38,6 @@ without Ray.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -262,7 +261,7 @@ def _batch(fresh: Batcher, e: int, buffer: int, rng: np.random.Generator) -> Ite
             if len(order) > 1 and order[0] == last:  # not the same batch twice in a row
                 order.append(order.pop(0))
             for i in order:
-                yield dataclasses.replace(group[i], repeats=group[i].repeats * e + k)
+                yield group[i].replace(repeats=group[i].repeats * e + k)
                 last = i
 
 
@@ -283,22 +282,11 @@ def _auto(fresh: Batcher, cap: int, buffer: int, rng: np.random.Generator) -> It
             return
         rows = _rows(batch)
         recent.extend([batch, row, index, base, 0] for row, index, base in rows)
-        yield dataclasses.replace(batch, repeats=batch.repeats * cap) if any(r[2] for r in rows) else batch
+        yield batch.replace(repeats=batch.repeats * cap) if any(r[2] for r in rows) else batch
 
 
 def gather(entries: list[_Entry]) -> Batch:
-    """One batch of the given rows, copied into memory the trial owns (rows grouped by source batch)."""
-    import torch
+    """One batch of the given rows, copied into memory the trial owns."""
+    from coordinated_prep.pipeline.batching import select
 
-    from coordinated_prep.pipeline.batching import Batch
-    by_batch: dict[int, tuple[Batch, list[int], list[int]]] = {}
-    for batch, row, _, repeat in entries:
-        _, rows, repeats = by_batch.setdefault(id(batch), (batch, [], []))
-        rows.append(row)
-        repeats.append(repeat)
-    parts = [(b, torch.tensor(rows, dtype=torch.int64), repeats) for b, rows, repeats in by_batch.values()]
-    return Batch(images=torch.cat([b.images.index_select(0, rows) for b, rows, _ in parts]),
-                 labels=torch.cat([b.labels.index_select(0, rows) for b, rows, _ in parts]),
-                 indices=torch.cat([b.indices.index_select(0, rows) for b, rows, _ in parts]),
-                 stream_epochs=torch.cat([b.stream_epochs.index_select(0, rows) for b, rows, _ in parts]),
-                 repeats=torch.tensor([r for _, _, repeats in parts for r in repeats], dtype=torch.int64))
+    return select([(batch, row) for batch, row, _, _ in entries], [repeat for _, _, _, repeat in entries])

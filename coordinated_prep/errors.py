@@ -33,5 +33,10 @@ class SampleError(CoordinatedPrepError):
         return (SampleError, (self.index, self.path, self.reason))
 
 
+class StructureError(CoordinatedPrepError, ValueError):
+    """A pipeline's samples do not share one structure (nesting, dtypes, shapes of stacked leaves),
+    or hold a leaf no batch can; names the sample, the leaf and the fix."""
+
+
 class PrepError(CoordinatedPrepError):
     """Shared preparation failed for a trial: re-raised in the trial that asked, naming it."""

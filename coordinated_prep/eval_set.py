@@ -37,6 +37,13 @@ STREAM_AHEAD = 2
 
 def eval_key(spec: DataSpec) -> str:
     """Identifies the prepared evaluation bytes of ``spec``: equal keys, equal bytes."""
+    if spec.user_transforms:  # the dataset, the split and the evaluation transforms (seeded by the data seed)
+        from coordinated_prep.pipeline.datasets import object_key
+
+        fields = {"dataset": object_key(spec.dataset, "data.dataset"), "holdout": spec.holdout, "seed": spec.seed,
+                  **{n: object_key(getattr(spec, n), f"data.{n}")
+                     for n in ("eval_transform", "eval_transforms", "target_transform")}}
+        return "eval-" + hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     pipeline = spec.pipeline
     fields = {"dataset": spec.dataset, "holdout": spec.holdout, "size": pipeline.size,  # type: ignore[union-attr]
               "eval_resize": pipeline.eval_resize, "backend": pipeline.backend}  # type: ignore[union-attr]
@@ -86,12 +93,14 @@ class EvalSet:
     evaluations: int = 0
     skipped: dict[int, str] = field(default_factory=dict)
     failed: set[int] = field(default_factory=set)
+    layout: Any = None  # the held-out samples' Layout (probed at the start)
+    sample_bytes: int = 1  # bytes of one prepared held-out sample (probed)
+    spec_box: list = field(default_factory=list)  # [the spec in the object store]: sent once per prep actor
 
     @property
     def resident_bytes(self) -> int:
         """Bytes its resident pieces hold in the node's object store."""
-        per_sample = self.spec.pipeline.sample_bytes  # type: ignore[union-attr]
-        return sum(len(p) for p in self.pieces[: len(self.refs)]) * per_sample
+        return sum(len(p) for p in self.pieces[: len(self.refs)]) * self.sample_bytes
 
     def plan(self) -> dict[str, Any]:
         """What a trial needs to read one evaluation: the resident references, how many pieces in all."""
@@ -100,7 +109,8 @@ class EvalSet:
 
     def report(self) -> dict[str, Any]:
         """Counters for the summary and the metrics."""
-        return {"pipeline": self.key, "dataset": self.spec.dataset, "size": self.spec.pipeline.size,  # type: ignore[union-attr]
+        return {"pipeline": self.key, "dataset": self.spec.dataset if isinstance(self.spec.dataset, str) else self.spec.dataset_name,
+                "size": None if self.spec.user_transforms else self.spec.pipeline.size,  # type: ignore[union-attr]
                 "samples": int(sum(len(p) for p in self.pieces)), "pieces": len(self.pieces),
                 "resident_pieces": len(self.refs), "resident_bytes": self.resident_bytes,
                 "evaluations": self.evaluations, "samples_prepared": self.samples_prepared,

@@ -8,12 +8,12 @@ from typing import Iterator
 
 import ray
 
-from coordinated_prep.pipeline.backends import make_preprocessor
 from coordinated_prep.pipeline.chunk import PreparedChunk, eval_chunk
 from coordinated_prep.eval_set import STREAM_AHEAD, eval_pieces
 from coordinated_prep.plan import holdout_split, piece_size
 from coordinated_prep.readonly import protect
-from coordinated_prep.pipeline.sources import open_source
+from coordinated_prep.pipeline.probe import probe
+from coordinated_prep.pipeline.transforms import make_pipeline
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.streams import fetch, find_registry
 
@@ -22,12 +22,12 @@ logger = logging.getLogger(__name__)
 
 def private_eval_pieces(spec: DataSpec) -> Iterator[PreparedChunk]:
     """The held-out split in index order, prepared in this process (unshared, or outside Tune)."""
-    source = open_source(spec.dataset)
-    preprocessor = make_preprocessor(spec.pipeline)  # type: ignore[arg-type]
-    _, held = holdout_split(len(source), spec.holdout)
+    pipeline = make_pipeline(spec)
+    _, held = holdout_split(len(pipeline), spec.holdout)
+    layout = probe(pipeline, spec.seed, held, spec.ragged, 1, "eval", "data (evaluation)").layout
     for indices in eval_pieces(held, piece_size(spec.chunk_size, len(held))):
         skipped: list[tuple[int, str, str]] = []
-        yield eval_chunk(source, preprocessor, indices, spec.on_error, skipped)
+        yield eval_chunk(pipeline, layout, spec.seed, indices, spec.on_error, skipped)
         for index, path, reason in skipped:  # on_error="skip": left out of this evaluation
             logger.warning("evaluation: skipping held-out sample %d (%s): %s", index, path, reason)
 
@@ -60,5 +60,5 @@ def shared_eval_pieces(spec: DataSpec, trial: str) -> Iterator[PreparedChunk]:
 
 
 def _read_only(piece: PreparedChunk) -> PreparedChunk:
-    protect(piece.images)  # every trial of the sweep reads these bytes
+    protect(piece.buffer)  # every trial of the sweep reads these bytes
     return piece

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import os
 import time
 import warnings
 import weakref
@@ -54,11 +55,12 @@ class TrainLoader:
         echo: How this trial echoes its data (:class:`~coordinated_prep.echo.EchoSpec`).
         views: Augmented views per sample in the stream (``DataSpec.views``).
         seed: Seed of the echo buffer's draws (the data seed).
+        pin_memory: Pin each batch one ahead in a background thread (see :func:`train_loader`).
     """
 
     def __init__(self, stream: PieceStream, batch_size: int, epochs: int | None = None,
                  tags: Mapping[str, str] | None = None, echo: EchoSpec | None = None, views: int = 1,
-                 seed: int = 0) -> None:
+                 seed: int = 0, pin_memory: bool = False) -> None:
         self._stream = stream
         self.batch_size = batch_size
         self.epochs = epochs
@@ -70,6 +72,7 @@ class TrainLoader:
         self.echo = echo or EchoSpec()
         self.views = views
         self._seed = seed
+        self._pin = pin_memory and _accelerator("train_loader")
         self.stats = BatchStats()  # batches cut, how many were copies, and the CPU they cost this trial
         self.echo_counts = EchoCounts()  # fresh and repeated samples, all epochs together
         self.epoch_counts = EchoCounts()  # the same, for the epoch being read (or the last one read)
@@ -129,7 +132,7 @@ class TrainLoader:
             raise ConfigError(f"train_loader: epoch {self.epoch + 1} requested, but the loader was created with "
                               f"epochs={self.epochs}; raise epochs or leave it unset")
         epoch, self.epoch = self.epoch, self.epoch + 1
-        batches = self._timed(self._batches(epoch))
+        batches = self._timed(pinned(self._batches(epoch)) if self._pin else self._batches(epoch))
         self._live = weakref.ref(batches)
         return batches
 
@@ -171,7 +174,7 @@ class TrainLoader:
 
 def train_loader(
     config: Mapping[str, Any] | DataSpec, batch_size: int, *, epochs: int | None = None, key: str = "data",
-    prefetch: int | None = None, echo: Any = None,
+    prefetch: int | None = None, echo: Any = None, num_workers: int | None = None, pin_memory: bool = False,
 ) -> TrainLoader:
     """The training loader of a Tune trial.
 
@@ -192,6 +195,12 @@ def train_loader(
             ``e`` or ``"example:e"``, ``"batch:e"``, ``"auto"`` or ``"auto:c"``, or an
             :class:`~coordinated_prep.echo.EchoSpec`. Not part of the data group: trials echoing
             differently share one stream. The ready trainables read it from ``config["echo"]``.
+        num_workers: Where this process prepares its own pieces (unshared, or outside Tune): worker
+            processes, as a ``DataLoader``'s; 0: on the reading thread. None: 0 in a Tune trial (its
+            CPUs are the trial's), else ``min(8, os.cpu_count())``. Shared trials prepare nothing.
+        pin_memory: Copy each batch's tensors into page-locked memory in a background thread, one
+            batch ahead, so that ``.to(device, non_blocking=True)`` overlaps the next step (as a
+            ``DataLoader``'s ``pin_memory``); without an accelerator it warns and does nothing.
 
     Outside a Tune trial (a sweep's best config trained again, say) a coordinated spec is prepared
     in this process, as with ``coordinated=False``. A trial may create several loaders (other
@@ -203,6 +212,9 @@ def train_loader(
     """
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ConfigError(f"train_loader: batch_size={batch_size!r} must be a positive integer")
+    if num_workers is not None and (not isinstance(num_workers, int) or isinstance(num_workers, bool)
+                                    or num_workers < 0):
+        raise ConfigError(f"train_loader: num_workers={num_workers!r} must be an integer >= 0 or None")
     if epochs is not None and (not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1):
         raise ConfigError(f"train_loader: epochs={epochs!r} must be a positive integer or None")
     spec = resolve_spec(config, key)
@@ -211,13 +223,15 @@ def train_loader(
                       "this loader does not echo; pass train_loader(..., echo=config['echo'])", stacklevel=2)
     echo_spec = EchoSpec.parse(echo, "train_loader(echo=...)")
     trial = _current_trial_id(required=False)
-    options = {"echo": echo_spec, "views": spec.views, "seed": spec.seed}
+    options = {"echo": echo_spec, "views": spec.views, "seed": spec.seed, "pin_memory": pin_memory}
     if not spec.coordinated or trial == _OUTSIDE_TUNE:
         if spec.coordinated:  # e.g. a sweep's best config, trained again outside Tune: nothing to share with
             logger.info("train_loader: not inside a Tune trial; preparing data in this process (the same bytes a "
                         "shared trial starting at piece 0 reads)")
-        return TrainLoader(PrivateStream(spec), batch_size, epochs, {"group": spec.group_key, "trial": trial},
-                           **options)
+        if num_workers is None:
+            num_workers = 0 if trial != _OUTSIDE_TUNE else min(8, os.cpu_count() or 1)
+        stream = PrivateStream(spec, workers=num_workers, prefetch=prefetch or 2)
+        return TrainLoader(stream, batch_size, epochs, {"group": spec.group_key, "trial": trial}, **options)
     _LOADERS[trial] += 1  # a trial's k-th loader is its own consumer: several loaders per trial work
     consumer = trial if _LOADERS[trial] == 1 else f"{trial}#{_LOADERS[trial]}"
     return TrainLoader(SharedStream(spec, trial, consumer, batch_size, prefetch, epochs), batch_size, epochs,
@@ -243,6 +257,34 @@ def eval_loader(config: Mapping[str, Any] | DataSpec, batch_size: int, *, key: s
     trial = _current_trial_id(required=False)
     shared = spec.coordinated and trial != _OUTSIDE_TUNE
     yield from batched(shared_eval_pieces(spec, trial) if shared else private_eval_pieces(spec), batch_size)
+
+
+def _accelerator(who: str) -> bool:
+    """Whether pinned memory helps here (CUDA is available); warns as a DataLoader does if not."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    warnings.warn(f"{who}: pin_memory=True, but no accelerator is found, so pinned memory is not used", stacklevel=3)
+    return False
+
+
+def pinned(batches: Iterator[Batch]) -> Generator[Batch, None, None]:
+    """``batches`` with every tensor copied into page-locked memory, one batch ahead in a thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def pin(batch: Batch | None) -> Batch | None:
+        if batch is None:
+            return None
+        leaves = [leaf.pin_memory() if hasattr(leaf, "pin_memory") else
+                  [x.pin_memory() if hasattr(x, "pin_memory") else x for x in leaf] for leaf in batch.leaves]
+        return Batch(batch.layout, leaves, batch.indices, batch.stream_epochs, batch.repeats)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="coordprep-pin") as pool:
+        ahead = pool.submit(lambda: pin(next(batches, None)))
+        while (batch := ahead.result()) is not None:
+            ahead = pool.submit(lambda: pin(next(batches, None)))
+            yield batch
 
 
 def _current_trial_id(required: bool = True) -> str:

@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import ray
 
-from coordinated_prep.pipeline.backends import make_preprocessor
 from coordinated_prep.cache.layout import CacheLayout
 from coordinated_prep.cache.reader import CachedSource
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.pipeline.chunk import ChunkTiming, PreparedChunk, eval_chunk, prepare_chunk
-from coordinated_prep.contracts import DataSource, Preprocessor
-from coordinated_prep.plan import holdout_split
+from coordinated_prep.pipeline.probe import Probe, probe, train_indices
 from coordinated_prep.pipeline.sources import open_source
-from coordinated_prep.spec import DataSpec, PipelineSpec
+from coordinated_prep.pipeline.structure import Layout
+from coordinated_prep.pipeline.transforms import Pipeline, make_pipeline
+from coordinated_prep.plan import holdout_split
+from coordinated_prep.spec import DataSpec
 
-_KEPT = 16  # datasets and pipelines kept open per actor (a sweep has a few)
+_KEPT = 16  # pipelines kept open per actor (a sweep has a few)
+
+#: How a spec reaches a prep actor: ``[ref]``, a list holding its reference in the object store,
+#: so that Ray passes the reference, not the spec: the actor fetches a group's spec (and its
+#: dataset, if it is an object) once, at its first piece, not with every piece.
+SpecBox = list
 
 
 @ray.remote(max_restarts=-1, max_task_retries=3)
@@ -26,10 +33,10 @@ class PrepActor:
 
     One of the node's prep pool (:mod:`coordinated_prep.pool.node`), owned by the sweep's group
     registry, which creates it with a share of the pool's reserved CPUs. Any coordinator of the
-    node submits pieces to it; each call names its group's spec, and the actor keeps the sources and
-    preprocessors it has opened. A killed actor is restarted by Ray and its in-flight pieces are
-    prepared again (``max_task_retries``); augmentation is a pure function of (seed, epoch, sample),
-    so a retry is byte-identical.
+    node submits pieces to it; each call names its group's key and spec box, and the actor keeps
+    the pipelines it has built. A killed actor is restarted by Ray and its in-flight pieces are
+    prepared again (``max_task_retries``); every draw is a pure function of (seed, epoch, sample,
+    view), so a retry is byte-identical.
 
     Args:
         cache: The sweep's cache layout and options, if it has node caches: reads go through them.
@@ -42,20 +49,29 @@ class PrepActor:
 
         torch.set_num_threads(1)  # one actor per core: intra-op threads would only oversubscribe
         self._cache = cache
-        self._sources: dict[str, tuple[DataSource, CachedSource | None]] = {}
-        self._preprocessors: dict[PipelineSpec, Preprocessor] = {}
+        self._pipelines: dict[str, Pipeline] = {}
+        self._specs: dict[str, DataSpec] = {}
 
-    def prepare(self, spec: DataSpec, epoch: int, indices: np.ndarray) -> tuple[ChunkTiming, PreparedChunk]:
-        """Prepare one piece of ``spec``'s group. Returns (timing, piece) as two objects: the
-        coordinator awaits the small first one and never pulls the images into its own process."""
+    def probe(self, spec: DataSpec, mode: str = "train") -> tuple[int, Probe]:
+        """A group's start: (samples in the dataset, the layout and bytes of its training or
+        held-out samples); refuses a transform that cannot be seeded
+        (:mod:`coordinated_prep.pipeline.probe`)."""
+        pipeline = self._pipeline(spec, [spec])
+        n = len(pipeline)
+        ids = train_indices(n, spec.holdout) if mode == "train" else holdout_split(n, spec.holdout)[1]
+        where = "data" if mode == "train" else "data (evaluation)"
+        return n, probe(pipeline, spec.seed, ids, spec.ragged, spec.views if mode == "train" else 1, mode, where)
+
+    def prepare(self, key: str, box: SpecBox, epoch: int, indices: np.ndarray,
+                layout: Layout) -> tuple[ChunkTiming, PreparedChunk]:
+        """Prepare one piece of group ``key``. Returns (timing, piece) as two objects: the
+        coordinator awaits the small first one and never pulls the piece into its own process."""
         cpu = time.process_time()
-        source, cached = self._source(spec.dataset)
-        preprocessor = self._preprocessor(spec.pipeline)  # type: ignore[arg-type]
+        pipeline = self._pipeline(key, box)
+        spec = self._specs[key]
+        cached = getattr(pipeline, "cached", None)
         reads, hits = (cached.storage_reads, cached.cache_hits) if cached else (0, 0)
-        chunk, timing = prepare_chunk(
-            source, preprocessor, spec.seed, epoch, indices, spec.pipeline.size, spec.on_error,  # type: ignore[union-attr]
-            spec.views,
-        )
+        chunk, timing = prepare_chunk(pipeline, layout, spec.seed, epoch, indices, spec.on_error, spec.views)
         # The put stage (serialising into the object store) happens after this returns; the
         # coordinator measures it as the time from here until it learns the task finished.
         if cached is not None:
@@ -65,44 +81,45 @@ class PrepActor:
         return timing._replace(finished_at=time.time(), cpu_s=time.process_time() - cpu, storage_reads=reads,
                                cache_hits=hits), chunk
 
-    def held_out(self, spec: DataSpec) -> np.ndarray:
-        """The held-out indices of ``spec``'s dataset, in index order (the dataset opened here, once)."""
-        source, _ = self._source(spec.dataset)
-        return holdout_split(len(source), spec.holdout)[1]
+    def held_out(self, spec: DataSpec) -> tuple[np.ndarray, Probe]:
+        """The held-out indices of ``spec``'s dataset, in index order, and their probe."""
+        n, found = self.probe(spec, "eval")
+        return holdout_split(n, spec.holdout)[1], found
 
-    def prepare_eval(self, spec: DataSpec, indices: np.ndarray) -> tuple[tuple[tuple[int, str, str], ...], PreparedChunk]:
-        """Prepare held-out samples for evaluation: decode, resize, centre crop (no randomness).
+    def prepare_eval(self, key: str, box: SpecBox, indices: np.ndarray,
+                     layout: Layout) -> tuple[tuple[tuple[int, str, str], ...], PreparedChunk]:
+        """Prepare held-out samples for evaluation (draws keyed by sample only).
 
         The same function per sample as an unshared trial's ``eval_loader``, so the bytes are equal.
         Called with ``num_returns=2``: the samples left out under ``on_error="skip"`` (index, path,
         reason), small, for the registry to count and log; and the piece.
 
         Raises:
-            SampleError: With ``on_error="raise"``, a sample cannot be read or decoded; names the
-                index and the file.
+            SampleError: With ``on_error="raise"``, a sample cannot be read or prepared; names the
+                index and where it lives.
         """
-        source, _ = self._source(spec.dataset)
-        preprocessor = self._preprocessor(spec.pipeline)  # type: ignore[arg-type]
+        pipeline = self._pipeline(key, box)
+        spec = self._specs[key]
         skipped: list[tuple[int, str, str]] = []
-        chunk = eval_chunk(source, preprocessor, indices, spec.on_error, skipped)
+        chunk = eval_chunk(pipeline, layout, spec.seed, indices, spec.on_error, skipped)
         return tuple(skipped), chunk
 
-    def _source(self, dataset: str) -> tuple[DataSource, CachedSource | None]:
-        if dataset not in self._sources:
-            _bound(self._sources)
-            source = open_source(dataset)
-            cached = CachedSource(source, dataset, *self._cache) if self._cache is not None else None
-            self._sources[dataset] = (cached or source, cached)
-        return self._sources[dataset]
-
-    def _preprocessor(self, pipeline: PipelineSpec) -> Preprocessor:
-        if pipeline not in self._preprocessors:
-            _bound(self._preprocessors)
-            self._preprocessors[pipeline] = make_preprocessor(pipeline)
-        return self._preprocessors[pipeline]
-
-
-def _bound(kept: dict) -> None:
-    """Forget the oldest entry once ``_KEPT`` are open (insertion order)."""
-    if len(kept) >= _KEPT:
-        del kept[next(iter(kept))]
+    def _pipeline(self, key: Any, box: SpecBox) -> Pipeline:
+        """The pipeline of group ``key`` (a DataSpec itself for the start's probe), built once."""
+        spec = key if isinstance(key, DataSpec) else None
+        key = spec.group_key if spec is not None else key
+        if key not in self._pipelines:
+            if spec is None:
+                spec = box[0] if isinstance(box[0], DataSpec) else ray.get(box[0])  # once per group and actor
+            if len(self._pipelines) >= _KEPT:  # forget the oldest (insertion order)
+                oldest = next(iter(self._pipelines))
+                del self._pipelines[oldest], self._specs[oldest]
+            source = cached = None
+            if isinstance(spec.dataset, str):
+                source = open_source(spec.dataset)
+                if self._cache is not None:
+                    source = cached = CachedSource(source, spec.dataset, *self._cache)
+            pipeline = make_pipeline(spec, source)
+            pipeline.cached = cached  # type: ignore[attr-defined]
+            self._pipelines[key], self._specs[key] = pipeline, spec
+        return self._pipelines[key]

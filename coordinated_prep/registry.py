@@ -35,10 +35,11 @@ from coordinated_prep.cache.layout import CacheLayout
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.cache.start import start_caches
 from coordinated_prep.coordinator import Coordinator
-from coordinated_prep.errors import DatasetError, PrepError
+from coordinated_prep.errors import ConfigError, CoordinatedPrepError, DatasetError, PrepError
 from coordinated_prep.eval_set import EvalSet, eval_key, eval_pieces, resident_prefix
 from coordinated_prep.naming import NAMESPACE
 from coordinated_prep.plan import piece_size
+from coordinated_prep.pipeline.probe import PROBED
 from coordinated_prep.pool.node import NodePool, node_table
 from coordinated_prep.pool.spec import PoolSpec, split_budget
 from coordinated_prep.pipeline.sources import folder_root
@@ -289,12 +290,22 @@ class GroupRegistry:
     async def _start_group(self, key: str, spec: DataSpec, node: str) -> _Group:
         pool = await self._pool(node)
         index, files = await self._coordinator_index(spec.dataset, node)
+        start = await self._probe(spec, pool, "train")
         name = f"coordprep-{self.session}-{spec.group_key}-{node[:8]}-{next(self._incarnation)}"
         group = self._groups[key] = _Group(spec, node, None)
+        budget = self._share(node, key, pool)
+        piece_bytes = piece_size(spec.chunk_size, start[0]) * start[1].sample_bytes
+        if piece_bytes > max(budget, spec.staging_bytes or 0):
+            del self._groups[key]
+            raise ConfigError(
+                f"data group {spec.group_key} ({spec.dataset_name}): one piece of {piece_size(spec.chunk_size, start[0])} "
+                f"samples takes {piece_bytes} bytes ({start[1].sample_bytes} per sample, all views), more than the "
+                f"group's staging budget on node {node} ({budget} bytes); lower data.chunk_size, raise "
+                "pool.staging_fraction (or data.staging_bytes), or make the samples smaller (crop, a smaller dtype)")
         group.actor = Coordinator.options(
             name=name, namespace=NAMESPACE,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-        ).remote(spec, name, pool.actors, self._share(node, key, pool), index)  # Ray resolves the index first
+        ).remote(spec, name, pool.actors, budget, index, start)  # Ray resolves the index first
         try:
             await self._check_index(spec.dataset, node, group.actor, files)
         except Exception:
@@ -305,7 +316,23 @@ class GroupRegistry:
         await self._split(node, except_key=key)
         return group
 
-    async def _check_index(self, dataset: str, node: str, coordinator: Any, files: int = 0) -> None:
+    async def _probe(self, spec: DataSpec, pool: NodePool, mode: str) -> Any:
+        """A prep actor's probe of ``spec`` (:mod:`coordinated_prep.pipeline.probe`): (samples, Probe).
+
+        Raises:
+            ConfigError: A transform that cannot be seeded, a sample too big, the probe timed out.
+            StructureError: Samples of different structures.
+            SampleError: None of the first samples can be prepared.
+        """
+        try:
+            return await asyncio.wait_for(pool.actors[0].probe.remote(spec, mode), spec.fetch_timeout_s)
+        except asyncio.TimeoutError:
+            raise ConfigError(f"data group {spec.group_key} ({spec.dataset_name}): preparing its first {PROBED} samples "
+                              f"took longer than fetch_timeout_s={spec.fetch_timeout_s}s") from None
+        except ray.exceptions.RayTaskError as e:
+            raise (e.cause if isinstance(e.cause, CoordinatedPrepError) else e) from None
+
+    async def _check_index(self, dataset: Any, node: str, coordinator: Any, files: int = 0) -> None:
         """Refuse a node whose copy of ``dataset`` indexes other samples than the first node's.
 
         The coordinator's start and its fingerprint (a ``stat`` of each of the ``files`` files) are
@@ -316,6 +343,8 @@ class GroupRegistry:
                 different nodes exchange samples by index); or naming the dataset, the node and the
                 fix when the start ran past its bound.
         """
+        if not isinstance(dataset, str):
+            return  # a dataset object or factory: nothing on disk to compare between nodes
         timeout = start_bound_s(files)
         try:
             found = await asyncio.wait_for(coordinator.fingerprint.remote(), timeout)
@@ -340,6 +369,8 @@ class GroupRegistry:
         Raises:
             DatasetError: The walk found no usable ImageFolder, or took longer than its bound.
         """
+        if not isinstance(dataset, str):
+            return None, 0  # a dataset object or factory: no folder to walk
         try:
             if dataset.startswith("builtin:") and node != ray.get_runtime_context().get_node_id():
                 affinity = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
@@ -401,10 +432,14 @@ class GroupRegistry:
     async def _start_eval(self, key: str, spec: DataSpec, node: str) -> EvalSet:
         """Cut the held-out split into pieces and start preparing the resident ones on ``node``."""
         pool = await self._pool(node)
-        held = await asyncio.wait_for(pool.actors[0].held_out.remote(spec), spec.fetch_timeout_s)
-        found = EvalSet(key, spec, node, eval_pieces(held, piece_size(spec.chunk_size, len(held))))
+        try:
+            held, start = await asyncio.wait_for(pool.actors[0].held_out.remote(spec), spec.fetch_timeout_s)
+        except ray.exceptions.RayTaskError as e:
+            raise (e.cause if isinstance(e.cause, CoordinatedPrepError) else e) from None
+        found = EvalSet(key, spec, node, eval_pieces(held, piece_size(spec.chunk_size, len(held))),
+                        layout=start.layout, sample_bytes=start.sample_bytes, spec_box=[ray.put(spec)])
         allowance = int(pool.budget_bytes * self._pool_spec.eval_fraction) - self._eval_bytes(node)
-        per_sample = spec.pipeline.sample_bytes  # type: ignore[union-attr]
+        per_sample = found.sample_bytes
         resident = resident_prefix([len(p) * per_sample for p in found.pieces], max(allowance, 0))
         found.refs = [self._prepare_eval(found, i, resident=True) for i in range(resident)]
         prepared = sum(len(p) for p in found.pieces[:resident])
@@ -422,7 +457,8 @@ class GroupRegistry:
         when the task ends (:meth:`_eval_settled`)."""
         actors = self._pools[found.node].actors
         actor = actors[next(self._eval_turn) % len(actors)]
-        skipped, piece = actor.prepare_eval.options(num_returns=2).remote(found.spec, found.pieces[i])
+        skipped, piece = actor.prepare_eval.options(num_returns=2).remote(found.key, found.spec_box, found.pieces[i],
+                                                                          found.layout)
         task = asyncio.get_running_loop().create_task(self._eval_settled(found, i, skipped, resident))
         self._eval_watches.add(task)
         task.add_done_callback(self._eval_watches.discard)
@@ -502,7 +538,7 @@ async def _alive(actor: Any) -> bool:
 
 
 def _merge(reports: dict[str, dict[str, Any]], key: str, live: dict[str, Any], spec: DataSpec) -> None:
-    acc = reports.setdefault(key, {"dataset": spec.dataset, "seed": spec.seed, "coordinators": 0,
+    acc = reports.setdefault(key, {"dataset": spec.dataset if isinstance(spec.dataset, str) else spec.dataset_name, "seed": spec.seed, "coordinators": 0,
                                    "coordinator_failures": 0, "peak_staged_bytes": 0, **{k: 0 for k in _SUMMED}})
     if live.get("coordinator_failures"):
         acc["coordinator_failures"] += live["coordinator_failures"]

@@ -95,9 +95,34 @@ class DataSpec:
     and share one coordinator; any difference forms another group.
 
     Args:
-        dataset: ``"builtin:shapes"``, or the path of an ImageFolder or Parquet dataset directory;
-            a relative path is made absolute here (Tune runs each trial in its own directory).
-        pipeline: A :class:`PipelineSpec` or a mapping of its fields.
+        dataset: ``"builtin:shapes"``, or the path of an ImageFolder or Parquet dataset directory
+            (a relative path is made absolute here: Tune runs each trial in its own directory); or
+            any map-style dataset (``__len__`` and ``__getitem__``: a torchvision dataset, your own
+            ``Dataset``, arrays in :class:`~coordinated_prep.pipeline.ArrayDataset`); or a
+            :class:`~coordinated_prep.pipeline.Factory` / ``{"factory": "pkg.mod:make", "args":
+            {...}}`` that builds one in each process (only the name travels). An object enters the
+            group key by the hash of its pickle (:mod:`coordinated_prep.pipeline.datasets`).
+        pipeline: The built-in transform of a built-in or directory dataset (random resized crop
+            and flip): a :class:`PipelineSpec` or a mapping of its fields. Replaced by the
+            transforms below when any is given.
+        transform: torchvision's convention: a callable applied to the input of each training
+            sample ``(input, target)`` (to the whole sample if it is not a pair): a
+            ``transforms.v2`` pipeline, albumentations, a function; or a factory mapping. Its
+            randomness must come from Python's ``random``, NumPy's global generator or torch's,
+            which are seeded from (seed, epoch, sample, view) around each call, so shared and
+            unshared bytes are equal; a transform with a generator of its own is refused at the
+            group's start. A built-in or directory dataset's samples are then
+            ``(tv_tensors.Image uint8 (3, H, W), int label)``.
+        target_transform: A callable applied to the target, in training and evaluation.
+        transforms: A callable taking and returning ``(input, target)`` together (masks and boxes as
+            ``tv_tensors``, cropped with the image); not with ``transform``/``target_transform``.
+        eval_transform: A callable applied to the input of each held-out sample (seeded by the
+            sample); None: the input as the dataset gives it.
+        eval_transforms: ``(input, target) -> (input, target)`` for held-out samples; not with
+            ``eval_transform``.
+        ragged: Names of leaves whose shape varies between samples (``"1.boxes"``: key ``boxes``
+            of the sample's second item), batched as per-sample lists. A leaf whose shape already
+            varies among the first training samples is ragged without being named.
         seed: Seed of the sample order and of every random augmentation.
         coordinated: Share preparation between trials; ``False`` runs the same pipeline
             inside each trial (the baseline, byte-identical for the same seed).
@@ -127,8 +152,14 @@ class DataSpec:
             still exact per epoch. Trials whose process ended are released within seconds instead.
     """
 
-    dataset: str = "builtin:shapes"
+    dataset: Any = "builtin:shapes"
     pipeline: PipelineSpec | Mapping[str, Any] = field(default_factory=PipelineSpec)
+    transform: Any = None
+    target_transform: Any = None
+    transforms: Any = None
+    eval_transform: Any = None
+    eval_transforms: Any = None
+    ragged: tuple[str, ...] = ()
     seed: int = 0
     coordinated: bool = True
     holdout: float = 0.1
@@ -140,16 +171,20 @@ class DataSpec:
     lease_s: float = 30.0
     on_error: OnError = "raise"
     views: int = 1
+    _key: str = field(init=False, repr=False, compare=False, default="")
 
     def __post_init__(self) -> None:
+        self._check_dataset_and_transforms()
         if isinstance(self.pipeline, Mapping):
             object.__setattr__(self, "pipeline", PipelineSpec.from_mapping(self.pipeline))
         elif not isinstance(self.pipeline, PipelineSpec):
             raise ConfigError(f"data.pipeline={self.pipeline!r} must be a PipelineSpec or a mapping")
-        if not isinstance(self.dataset, str) or not self.dataset:
-            raise ConfigError(f"data.dataset={self.dataset!r} must be 'builtin:<name>' or a directory path")
-        if not self.dataset.startswith(BUILTIN_PREFIX):  # one group and cache key per directory, anywhere
-            object.__setattr__(self, "dataset", os.path.abspath(os.path.expanduser(self.dataset)))
+        if self.user_transforms and self.pipeline != PipelineSpec():
+            raise ConfigError(
+                f"data.pipeline={self.pipeline!r} configures the built-in crop and flip, which transform=/transforms= "
+                "replace; leave pipeline out, or drop the transforms to use it")
+        if isinstance(self.dataset, str) and not self.dataset.startswith(BUILTIN_PREFIX):
+            object.__setattr__(self, "dataset", os.path.abspath(os.path.expanduser(self.dataset)))  # one key per dir
         _check_int("data.seed", self.seed, 0)
         if not isinstance(self.coordinated, bool):
             raise ConfigError(f"data.coordinated={self.coordinated!r} must be true or false")
@@ -164,7 +199,7 @@ class DataSpec:
                               "repeats (Choi et al.); use views of 2-4")
         if self.staging_bytes is not None:
             _check_int("data.staging_bytes", self.staging_bytes, 1)
-            if self.staging_bytes < self.chunk_bytes:
+            if not self.user_transforms and isinstance(self.dataset, str) and self.staging_bytes < self.chunk_bytes:
                 raise ConfigError(
                     f"data.staging_bytes={self.staging_bytes} is smaller than one piece "
                     f"({self.chunk_bytes} bytes = chunk_size x views x 3 x size x size); raise it or lower chunk_size"
@@ -177,17 +212,88 @@ class DataSpec:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"data.{name}={value!r} must be a positive number of seconds")
+        object.__setattr__(self, "_key", self._make_key())
+
+    def _check_dataset_and_transforms(self) -> None:
+        """Factories from mappings, map-style datasets, callables, and torchvision's exclusions."""
+        from coordinated_prep.pipeline.datasets import Factory, check_map_style
+
+        for name in ("dataset", *TRANSFORM_FIELDS):
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                object.__setattr__(self, name, Factory.from_mapping(value, f"data.{name}"))
+        if isinstance(self.dataset, str):
+            if not self.dataset:
+                raise ConfigError("data.dataset='' must be 'builtin:<name>', a directory path, a map-style dataset or "
+                                  "{factory: 'pkg.mod:make', args: {...}}")
+        elif not isinstance(self.dataset, Factory):
+            check_map_style(self.dataset, "data.dataset")
+        for name in TRANSFORM_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Factory) and not callable(value):
+                raise ConfigError(f"data.{name}={value!r} must be a callable (a transforms.v2 transform, a function) "
+                                  "or {factory: 'pkg.mod:make', args: {...}}")
+        for joint, alone in (("transforms", ("transform", "target_transform")), ("eval_transforms", ("eval_transform",))):
+            if getattr(self, joint) is not None and any(getattr(self, a) is not None for a in alone):
+                raise ConfigError(f"data: only {joint} or {'/'.join(alone)} can be given, not both (as torchvision's "
+                                  f"VisionDataset): fold {'/'.join(alone)} into {joint}")
+        if isinstance(self.ragged, str) or not all(isinstance(r, str) for r in self.ragged):
+            raise ConfigError(f"data.ragged={self.ragged!r} must be a list of leaf names such as ['1.boxes']")
+        object.__setattr__(self, "ragged", tuple(self.ragged))
+
+    def _make_key(self) -> str:
+        from coordinated_prep.pipeline.datasets import object_key
+
+        fields = {}
+        for f in dataclasses.fields(self):
+            if f.name == "_key":
+                continue
+            value = getattr(self, f.name)
+            if f.name == "dataset" or f.name in TRANSFORM_FIELDS:
+                value = object_key(value, f"data.{f.name}")
+            elif f.name == "pipeline":
+                value = dataclasses.asdict(value)
+            fields[f.name] = value
+        blob = json.dumps(fields, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+    def __eq__(self, other: object) -> bool:  # by key: datasets and transforms compare by their keys
+        return isinstance(other, DataSpec) and other._key == self._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __deepcopy__(self, memo: dict) -> "DataSpec":  # a frozen value: Tune deep-copies configs per trial
+        return self
+
+    @property
+    def user_transforms(self) -> bool:
+        """Whether the samples come from the user's dataset or transforms rather than the built-in crop."""
+        return not isinstance(self.dataset, str) or any(getattr(self, n) is not None for n in TRANSFORM_FIELDS)
+
+    @property
+    def dataset_name(self) -> str:
+        """The dataset, short, for messages."""
+        if isinstance(self.dataset, str):
+            return repr(self.dataset)
+        from coordinated_prep.pipeline.datasets import Factory
+
+        if isinstance(self.dataset, Factory):
+            return f"Factory({self.dataset.factory!r})"
+        return type(self.dataset).__name__
 
     def __repr__(self) -> str:  # only what differs from the defaults: Tune prints configs in tables
-        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-                   if f.name != "pipeline" and getattr(self, f.name) != _DATA_DEFAULTS[f.name]]
+        changed = [f"{f.name}={_short(getattr(self, f.name))}" for f in dataclasses.fields(self)
+                   if f.name not in ("pipeline", "_key") and getattr(self, f.name) is not _DATA_DEFAULTS[f.name]
+                   and not _same(getattr(self, f.name), _DATA_DEFAULTS[f.name])]
         if self.pipeline != PipelineSpec():
             changed.append(f"pipeline={self.pipeline!r}")
         return f"DataSpec({', '.join(changed)})"
 
     @property
     def sample_bytes(self) -> int:
-        """Bytes one training sample takes in a piece: all its views."""
+        """Bytes one training sample of the built-in pipeline takes in a piece: all its views (a user
+        pipeline's are measured at the group's start: :mod:`coordinated_prep.pipeline.probe`)."""
         return self.views * self.pipeline.sample_bytes  # type: ignore[union-attr]
 
     @property
@@ -197,10 +303,9 @@ class DataSpec:
 
     @property
     def group_key(self) -> str:
-        """Stable identifier of this spec's data group (equal specs, equal keys)."""
-        fields = dataclasses.asdict(self)
-        blob = json.dumps(fields, sort_keys=True, default=str).encode()
-        return hashlib.sha256(blob).hexdigest()[:12]
+        """Stable identifier of this spec's data group (equal specs, equal keys): a hash of its fields,
+        a dataset or transform entering by its key (:mod:`coordinated_prep.pipeline.datasets`)."""
+        return self._key
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], where: str = "data") -> "DataSpec":
@@ -211,7 +316,21 @@ class DataSpec:
         return cls(**known)
 
 
-_DATA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DataSpec) if f.name != "pipeline"}
+_DATA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DataSpec) if f.name not in ("pipeline", "_key")}
+#: The torchvision-style transform fields of a DataSpec.
+TRANSFORM_FIELDS = ("transform", "target_transform", "transforms", "eval_transform", "eval_transforms")
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # an object whose == is not a bool (arrays)
+        return False
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -232,7 +351,7 @@ def known_keys(cls: type, values: Mapping[str, Any], where: str) -> dict[str, An
         raise ConfigError(f"{where}.{moved[0]} belongs to the node's prep pool now, shared by every data group: "
                           f"set pool.{_MOVED[moved[0]]} (YAML) or CoordinatedSearcher(pool=PoolSpec("
                           f"{_MOVED[moved[0]]}=...))")
-    allowed = [f.name for f in dataclasses.fields(cls)]
+    allowed = [f.name for f in dataclasses.fields(cls) if f.init]
     unknown = sorted(set(values) - set(allowed))
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed keys are {allowed}")

@@ -10,13 +10,14 @@ from typing import Any, Protocol
 
 import ray
 
-from coordinated_prep.pipeline.backends import make_preprocessor
 from coordinated_prep.pipeline.chunk import PreparedChunk, prepare_chunk
+from coordinated_prep.pipeline.probe import probe, train_indices
+from coordinated_prep.pipeline.transforms import make_pipeline
+from coordinated_prep.pipeline.workers import WorkerPieces
 from coordinated_prep.errors import ConfigError, PrepError
 from coordinated_prep.naming import NAMESPACE, registry_name
 from coordinated_prep.plan import stream_plan
 from coordinated_prep.readonly import protect
-from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.watch import this_process
 
@@ -55,17 +56,24 @@ class PieceStream(Protocol):
 
 
 class PrivateStream:
-    """Prepares every piece in the trial's own process: the unshared baseline.
+    """Prepares every piece for this process alone: the unshared baseline, and the loader outside a sweep.
 
     It walks the same plan from piece ``first`` with the same preparation function as the prep
-    actors, so its bytes equal those of a shared trial reading the same pieces.
+    actors, so its bytes equal those of a shared trial reading the same pieces. With ``workers`` = 0
+    each piece is prepared on the reading thread when asked; with ``workers`` > 0 in that many
+    worker processes, ``prefetch`` pieces ahead of each (:mod:`coordinated_prep.pipeline.workers`).
+
+    Raises:
+        ConfigError, StructureError: The group's start refuses the pipeline (probe).
     """
 
-    def __init__(self, spec: DataSpec, first: int = 0) -> None:
+    def __init__(self, spec: DataSpec, first: int = 0, workers: int = 0, prefetch: int = 2) -> None:
         self._spec = spec
-        self._source = open_source(spec.dataset)
-        self._preprocessor = make_preprocessor(spec.pipeline)  # type: ignore[arg-type]
-        self._plan = stream_plan(len(self._source), spec.seed, spec.holdout, spec.chunk_size, spec.segments)
+        self._pipeline = make_pipeline(spec)
+        n = len(self._pipeline)
+        self._layout = probe(self._pipeline, spec.seed, train_indices(n, spec.holdout), spec.ragged, spec.views).layout
+        self._plan = stream_plan(n, spec.seed, spec.holdout, spec.chunk_size, spec.segments)
+        self._workers = WorkerPieces(spec, self._plan, self._layout, workers, prefetch) if workers > 0 else None
         self.start = 0
         self.coordinator = None
         self.chunks_per_epoch = self._plan.chunks_per_epoch
@@ -86,17 +94,18 @@ class PrivateStream:
 
     def next_piece(self) -> PreparedChunk:
         g, self._next = self._next, self._next + 1
-        epoch, _ = self._plan.locate(g)
-        chunk, _ = prepare_chunk(
-            self._source, self._preprocessor, self._spec.seed, epoch,
-            self._plan.chunk_samples(g), self._spec.pipeline.size, self._spec.on_error,  # type: ignore[union-attr]
-            self._spec.views,
-        )
-        self.private_samples += len(chunk.labels) // chunk.views  # samples, not their views
+        if self._workers is not None:
+            chunk = self._workers.next(g)
+        else:
+            epoch, _ = self._plan.locate(g)
+            chunk, _ = prepare_chunk(self._pipeline, self._layout, self._spec.seed, epoch, self._plan.chunk_samples(g),
+                                     self._spec.on_error, self._spec.views)
+        self.private_samples += len(chunk) // chunk.views  # samples, not their views
         return chunk
 
     def close(self) -> None:
-        pass
+        if self._workers is not None:
+            self._workers.close()
 
 
 class SharedStream:
@@ -172,7 +181,7 @@ class SharedStream:
         if answer is None:
             return self._fallback.next_piece()  # type: ignore[union-attr]
         piece = self._call(answer["ref"], f"reading piece {g}")
-        protect(piece.images)  # other trials read these bytes: this process may not write them
+        protect(piece.buffer)  # other trials read these bytes: this process may not write them
         return piece
 
     def skip_to(self, g: int) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 
 from coordinated_prep import DataSpec
 from coordinated_prep.pipeline.backends import make_preprocessor
-from coordinated_prep.pipeline.chunk import prepare_chunk
+from tests.utils import image_chunk
 from coordinated_prep.plan import holdout_split
 from coordinated_prep.pipeline.sources import open_source
 
@@ -49,7 +49,7 @@ def reference_digests(spec: DataSpec, epochs: np.ndarray, indices: np.ndarray,
     for e in np.unique(epochs):
         for v in np.unique(views[epochs == e]):
             sel = (epochs == e) & (views == v)
-            chunk, _ = prepare_chunk(source, prep, spec.seed, int(e), indices[sel], spec.pipeline.size,
+            chunk, _ = image_chunk(source, prep, spec.seed, int(e), indices[sel], spec.pipeline.size,
                                      views=int(v) + 1)
             out[sel] = sample_digests(chunk.images[int(v) * int(sel.sum()):])
     return out

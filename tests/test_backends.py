@@ -11,7 +11,7 @@ from PIL import Image
 from coordinated_prep import PipelineSpec, SampleError
 from coordinated_prep.pipeline.backends import make_preprocessor
 from coordinated_prep.pipeline.backends.augment import crop_params
-from coordinated_prep.pipeline.chunk import prepare_chunk
+from tests.utils import image_chunk
 from coordinated_prep.pipeline.sources import ImageFolderSource
 from tests.utils import make_imagefolder
 
@@ -53,7 +53,7 @@ def test_a_corrupt_file_names_its_index_and_path(tmp_path):
     with open(source.paths[1], "r+b") as f:
         f.truncate(40)
     with pytest.raises(SampleError, match=r"sample 1 \(.*img_001.jpg\): cannot decode"):
-        prepare_chunk(source, make_preprocessor(PipelineSpec(size=16)), 0, 0, np.array([0, 1]), 16)
+        image_chunk(source, make_preprocessor(PipelineSpec(size=16)), 0, 0, np.array([0, 1]), 16)
 
 
 def test_skip_policy_leaves_the_broken_sample_out_and_reports_it(tmp_path):
@@ -62,11 +62,11 @@ def test_skip_policy_leaves_the_broken_sample_out_and_reports_it(tmp_path):
     with open(source.paths[1], "r+b") as f:
         f.truncate(40)
     prep = make_preprocessor(PipelineSpec(size=16))
-    chunk, timing = prepare_chunk(source, prep, 0, 0, np.array([0, 1, 2]), 16, on_error="skip")
+    chunk, timing = image_chunk(source, prep, 0, 0, np.array([0, 1, 2]), 16, on_error="skip")
     assert chunk.indices.tolist() == [0, 2] and chunk.images.shape[0] == 2 and chunk.labels.shape == (2,)
     [(index, path, reason)] = timing.skipped
     assert index == 1 and path == source.paths[1] and "cannot decode" in reason
-    full, _ = prepare_chunk(source, prep, 0, 0, np.array([0, 2]), 16)
+    full, _ = image_chunk(source, prep, 0, 0, np.array([0, 2]), 16)
     assert np.array_equal(full.images, chunk.images), "skipping one sample does not change the others"
 
 
@@ -78,6 +78,6 @@ def test_a_file_that_disappears_after_the_scan_is_a_sample_error_or_skipped(tmp_
     os.remove(source.paths[2])
     prep = make_preprocessor(PipelineSpec(size=16))
     with pytest.raises(SampleError, match=r"sample 2 \(.*img_002.jpg\): cannot read the file"):
-        prepare_chunk(source, prep, 0, 0, np.array([0, 2]), 16)
-    chunk, timing = prepare_chunk(source, prep, 0, 0, np.array([0, 2]), 16, on_error="skip")
+        image_chunk(source, prep, 0, 0, np.array([0, 2]), 16)
+    chunk, timing = image_chunk(source, prep, 0, 0, np.array([0, 2]), 16, on_error="skip")
     assert chunk.indices.tolist() == [0] and timing.skipped[0][0] == 2

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from coordinated_prep.pipeline.batching import BatchStats, batched
-from coordinated_prep.pipeline.chunk import PreparedChunk
+from coordinated_prep.pipeline.chunk import PreparedChunk, image_piece
 from coordinated_prep.plan import piece_size
 from tests.harness import assert_exactly_once
 
@@ -18,7 +18,7 @@ def _pieces(sizes: list[int], start: int = 0) -> list[PreparedChunk]:
         ids = np.arange(index, index + n, dtype=np.int64)
         images = np.broadcast_to((ids % 251).astype(np.uint8)[:, None, None, None], (n, 3, 2, 2)).copy()
         images.setflags(write=False)  # as a piece read from the object store is
-        out.append(PreparedChunk(images, ids % 7, ids, 0))
+        out.append(image_piece(images, ids % 7, ids, 0))
         index += n
     return out
 

@@ -9,7 +9,7 @@ import pytest
 
 from coordinated_prep import PipelineSpec
 from coordinated_prep.pipeline.backends import make_preprocessor
-from coordinated_prep.pipeline.chunk import prepare_chunk
+from tests.utils import image_chunk
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.pipeline.sources import ImageFolderSource
 from tests.utils import make_imagefolder
@@ -50,8 +50,8 @@ def test_deterministic_per_seed_epoch_and_sample_and_batches_align(source):
 
 def test_prepared_chunks_align_labels_and_indices_with_torchvision(source):
     ids = np.array([5, 0, 17, 3, 11])
-    a, _ = prepare_chunk(source, make_preprocessor(PipelineSpec(**SPEC)), 1, 0, ids, 32)
-    b, timing = prepare_chunk(source, make_preprocessor(PipelineSpec(**SPEC, backend="dali")), 1, 0, ids, 32)
+    a, _ = image_chunk(source, make_preprocessor(PipelineSpec(**SPEC)), 1, 0, ids, 32)
+    b, timing = image_chunk(source, make_preprocessor(PipelineSpec(**SPEC, backend="dali")), 1, 0, ids, 32)
     assert np.array_equal(a.indices, b.indices) and np.array_equal(a.labels, b.labels)
     assert np.array_equal(b.labels, source.labels[ids]) and b.images.shape == a.images.shape
     assert np.abs(a.images.astype(int) - b.images.astype(int)).mean() < 2.0
@@ -63,7 +63,7 @@ def test_a_corrupt_sample_in_a_dali_batch_is_found_and_skipped(tmp_path):
     with open(source.paths[2], "r+b") as f:
         f.truncate(50)
     dali = make_preprocessor(PipelineSpec(size=16, backend="dali"))
-    chunk, timing = prepare_chunk(source, dali, 0, 0, np.arange(6), 16, on_error="skip")
+    chunk, timing = image_chunk(source, dali, 0, 0, np.arange(6), 16, on_error="skip")
     assert chunk.indices.tolist() == [0, 1, 3, 4, 5] and chunk.images.shape == (5, 3, 16, 16)
     assert [s[0] for s in timing.skipped] == [2] and "img_002" in timing.skipped[0][1]
 
@@ -78,9 +78,9 @@ def test_views_before_augmentation_match_torchvisions_draws(source):
     dali = make_preprocessor(PipelineSpec(**SPEC, backend="dali"))
     tv = make_preprocessor(PipelineSpec(**SPEC))
     ids = np.array([3, 8, 1])
-    a, _ = prepare_chunk(source, dali, 2, 1, ids, 32, views=2)
-    b, _ = prepare_chunk(source, tv, 2, 1, ids, 32, views=2)
-    plain, _ = prepare_chunk(source, dali, 2, 1, ids, 32)
+    a, _ = image_chunk(source, dali, 2, 1, ids, 32, views=2)
+    b, _ = image_chunk(source, tv, 2, 1, ids, 32, views=2)
+    plain, _ = image_chunk(source, dali, 2, 1, ids, 32)
     assert a.images.shape == (6, 3, 32, 32) and np.array_equal(a.indices, np.tile(ids, 2))
     assert np.array_equal(a.images[:3], plain.images), "view 0 is the draw without views"
     # The same crop box per view as torchvision's: only the resampler differs.

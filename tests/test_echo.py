@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from coordinated_prep.pipeline.batching import Batcher
-from coordinated_prep.pipeline.chunk import PreparedChunk
+from coordinated_prep.pipeline.chunk import PreparedChunk, image_piece
 from coordinated_prep.echo import EchoCounts, EchoSpec, echoed
 from coordinated_prep.errors import ConfigError
 from tests.harness import assert_fresh_exactly_once
@@ -21,7 +21,7 @@ def _pieces(sizes: list[int], views: int = 1) -> list[PreparedChunk]:
         pixels = ((ids * 7 + view) % 251).astype(np.uint8)
         images = np.broadcast_to(pixels[:, None, None, None], (n * views, 3, 2, 2)).copy()
         images.setflags(write=False)  # as a piece read from the object store is
-        out.append(PreparedChunk(images, ids % 5, ids, 0, views))
+        out.append(image_piece(images, ids % 5, ids, 0, views))
         index += n
     return out
 
@@ -126,16 +126,18 @@ def test_a_batch_built_by_hand_is_all_fresh_and_a_piece_with_views_pickles_whole
 
     from coordinated_prep.pipeline.batching import Batch
 
-    batch = Batch(torch.zeros(2, 3, 2, 2, dtype=torch.uint8), torch.tensor([1, 2]), torch.tensor([5, 6]),
-                  torch.tensor([0, 0]))
+    from coordinated_prep.pipeline.chunk import image_layout
+
+    batch = Batch(image_layout((3, 2, 2)), [torch.zeros(2, 3, 2, 2, dtype=torch.uint8), torch.tensor([1, 2])],
+                  torch.tensor([5, 6]), torch.tensor([0, 0]))
     assert batch.repeats.tolist() == [0, 0]
-    from coordinated_prep.pipeline.chunk import prepare_chunk
+    from tests.utils import image_chunk
     from coordinated_prep.pipeline.backends import make_preprocessor
     from coordinated_prep.readonly import padded_base
     from coordinated_prep.pipeline.sources import open_source
     from coordinated_prep.spec import PipelineSpec
 
-    chunk, _ = prepare_chunk(open_source("builtin:shapes"), make_preprocessor(PipelineSpec(size=16)), 0, 0,
+    chunk, _ = image_chunk(open_source("builtin:shapes"), make_preprocessor(PipelineSpec(size=16)), 0, 0,
                              np.arange(4), 16, views=3)
     again = pickle.loads(pickle.dumps(chunk))
     assert again.views == 3 and np.array_equal(again.images, chunk.images)
@@ -187,7 +189,7 @@ def test_auto_waits_for_fresh_data_with_nothing_to_echo():
 
 def test_views_are_deterministic_distinct_and_view_zero_is_the_plain_draw(monkeypatch):
     from coordinated_prep.pipeline.backends import make_preprocessor, torchvision_backend
-    from coordinated_prep.pipeline.chunk import prepare_chunk
+    from tests.utils import image_chunk
     from coordinated_prep.pipeline.sources import open_source
     from coordinated_prep.spec import PipelineSpec
 
@@ -197,10 +199,10 @@ def test_views_are_deterministic_distinct_and_view_zero_is_the_plain_draw(monkey
     decodes = []
     real = torchvision_backend._decode
     monkeypatch.setattr(torchvision_backend, "_decode", lambda data: decodes.append(1) or real(data))
-    three, _ = prepare_chunk(source, prep, 5, 2, ids, 32, views=3)
+    three, _ = image_chunk(source, prep, 5, 2, ids, 32, views=3)
     assert len(decodes) == len(ids), "k views cost one decode per sample"
-    again, _ = prepare_chunk(source, prep, 5, 2, ids, 32, views=3)
-    plain, _ = prepare_chunk(source, prep, 5, 2, ids, 32)
+    again, _ = image_chunk(source, prep, 5, 2, ids, 32, views=3)
+    plain, _ = image_chunk(source, prep, 5, 2, ids, 32)
     assert three.images.shape == (3 * len(ids), 3, 32, 32) and three.views == 3
     assert np.array_equal(three.images, again.images), "views are a pure function of seed, epoch, sample, view"
     assert np.array_equal(three.images[: len(ids)], plain.images), "view 0 is the draw without views"
@@ -213,7 +215,7 @@ def test_views_are_deterministic_distinct_and_view_zero_is_the_plain_draw(monkey
 
 def test_views_with_a_skipped_sample_close_the_gap_in_every_view():
     from coordinated_prep.pipeline.backends import make_preprocessor
-    from coordinated_prep.pipeline.chunk import prepare_chunk
+    from tests.utils import image_chunk
     from coordinated_prep.errors import SampleError
     from coordinated_prep.pipeline.sources import open_source
     from coordinated_prep.spec import PipelineSpec
@@ -236,11 +238,11 @@ def test_views_with_a_skipped_sample_close_the_gap_in_every_view():
 
     prep = make_preprocessor(PipelineSpec(size=16))
     ids = np.arange(10, 16, dtype=np.int64)
-    chunk, timing = prepare_chunk(Broken(), prep, 1, 0, ids, 16, on_error="skip", views=2)
+    chunk, timing = image_chunk(Broken(), prep, 1, 0, ids, 16, on_error="skip", views=2)
     kept = np.array([10, 11, 13, 14, 15])
     assert [s[0] for s in timing.skipped] == [12]
     assert np.array_equal(chunk.indices, np.tile(kept, 2))
-    whole, _ = prepare_chunk(source, prep, 1, 0, kept, 16, views=2)
+    whole, _ = image_chunk(source, prep, 1, 0, kept, 16, views=2)
     assert np.array_equal(chunk.images, whole.images)
 
 

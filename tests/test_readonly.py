@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from coordinated_prep.pipeline.batching import batched
-from coordinated_prep.pipeline.chunk import PreparedChunk
+from coordinated_prep.pipeline.chunk import PreparedChunk, image_layout, image_piece
 from coordinated_prep import readonly
 from coordinated_prep.readonly import PAGE, padded_base, padded_empty, protect, protected_ranges
 
@@ -19,7 +19,7 @@ def _piece(n: int = 64, size: int = 32) -> PreparedChunk:
     images = padded_empty((n, 3, size, size))
     images[...] = (np.arange(n, dtype=np.uint8) * 3)[:, None, None, None]
     ids = np.arange(n, dtype=np.int64)
-    return PreparedChunk(images, ids % 5, ids, 0)
+    return image_piece(images, ids % 5, ids, 0)
 
 
 def _writable(address: int) -> bool:
@@ -38,8 +38,9 @@ def test_pieces_keep_their_padding_through_pickling():
     base, offset = padded_base(again.images)
     assert offset >= PAGE and base.nbytes - offset - again.images.nbytes >= PAGE
     assert np.array_equal(again.images, piece.images) and again.epoch == piece.epoch
-    plain = PreparedChunk(np.zeros((2, 3, 4, 4), np.uint8), piece.labels[:2], piece.indices[:2], 1)
-    assert padded_base(plain.images) is None and pickle.loads(pickle.dumps(plain)).epoch == 1
+    plain = PreparedChunk(image_layout((3, 4, 4)), np.zeros(2 * (48 + 8), np.uint8), ((0, 96), (96, 16)),
+                          piece.indices[:2], 1)
+    assert padded_base(plain.buffer) is None and pickle.loads(pickle.dumps(plain)).epoch == 1
 
 
 def test_protect_maps_the_pages_read_only_until_the_last_view_is_gone():

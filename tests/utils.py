@@ -95,3 +95,12 @@ class FileOpens:
                     self.counts[os.path.join(self._dirs[wd], name)] += 1
                 elif not name and mask & self._IN_ISDIR:  # the watched folder itself was opened
                     self.dir_opens[self._dirs[wd]] += 1
+
+
+def image_chunk(source, preprocessor, seed, epoch, indices, size, on_error="raise", views=1):
+    """``prepare_chunk`` of the built-in image pipeline over ``source`` with ``preprocessor``."""
+    from coordinated_prep.pipeline.chunk import image_layout, prepare_chunk
+    from coordinated_prep.pipeline.transforms import ImagePipeline
+
+    return prepare_chunk(ImagePipeline(source, preprocessor), image_layout((3, size, size)), seed, epoch,
+                         np.asarray(indices), on_error, views)

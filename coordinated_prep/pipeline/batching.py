@@ -14,44 +14,70 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from coordinated_prep.pipeline.chunk import PreparedChunk
+from coordinated_prep.pipeline.structure import Layout, collate
 
 
-@dataclass(frozen=True)
 class Batch:
-    """One minibatch, aligned by position.
+    """One minibatch: the structure ``torch.utils.data.default_collate`` gives for its samples, and
+    where each sample came from.
+
+    ``images, targets = batch`` and ``for images, targets in loader`` unpack :attr:`data`, and
+    ``batch[k]`` indexes it, so a training loop written for a ``DataLoader`` runs unchanged;
+    ``len(batch)`` is the number of samples.
 
     Attributes:
-        images: ``torch.uint8`` of shape (N, 3, H, W); normalise on the trial's device. A view of
-            shared memory when the batch lies inside one piece: read it, never write into it
-            (``normalize`` and every out-of-place op are fine; ``images.clone()`` to write).
-        labels: ``torch.int64`` class indices.
+        data: The collated batch. A stacked leaf is a tensor that is a view of shared memory when
+            the batch lies inside one piece: read it, never write into it (``.float()``, ``.to()``
+            and every out-of-place op are fine; ``.clone()`` to write). A ragged leaf
+            (:mod:`coordinated_prep.pipeline.structure`) is a list of per-sample tensors.
         indices: ``torch.int64`` dataset index of each sample.
-        stream_epochs: ``torch.int64`` stream epoch whose augmentation draw produced each sample
-            (equal to the trial's epoch for a trial that started at piece 0, or unshared).
+        stream_epochs: ``torch.int64`` stream epoch whose draws produced each sample (equal to the
+            trial's epoch for a trial that started at piece 0, or unshared; -1: evaluation).
         repeats: ``torch.int64``: 0 for a sample's first delivery in the trial's epoch (fresh); a
             repeat (an extra view made before augmentation, or an echo:
             :mod:`coordinated_prep.echo`) gets a positive label unique per sample in the epoch,
-            ``view x e + copy``. None when building a Batch by hand: all fresh.
+            ``view x e + copy``.
+        layout: The samples' layout; ``leaves`` the collated leaves in its order.
     """
 
-    images: torch.Tensor
-    labels: torch.Tensor
-    indices: torch.Tensor
-    stream_epochs: torch.Tensor
-    repeats: torch.Tensor = None  # type: ignore[assignment]  # set to zeros in __post_init__ when None
+    __slots__ = ("data", "leaves", "layout", "indices", "stream_epochs", "repeats")
 
-    def __post_init__(self) -> None:
-        if self.repeats is None:
-            object.__setattr__(self, "repeats", torch.zeros_like(self.labels, dtype=torch.int64))
+    def __init__(self, layout: Layout, leaves: Sequence[Any], indices: torch.Tensor, stream_epochs: torch.Tensor,
+                 repeats: torch.Tensor | None = None) -> None:
+        self.layout, self.leaves = layout, list(leaves)
+        self.data = collate(layout.tree, self.leaves)
+        self.indices, self.stream_epochs = indices, stream_epochs
+        self.repeats = repeats if repeats is not None else torch.zeros_like(indices)
+
+    def replace(self, **changes: Any) -> "Batch":
+        """A copy with ``indices``, ``stream_epochs`` or ``repeats`` replaced."""
+        fields = {"indices": self.indices, "stream_epochs": self.stream_epochs, "repeats": self.repeats, **changes}
+        return Batch(self.layout, self.leaves, **fields)
 
     def __len__(self) -> int:
-        return int(self.labels.shape[0])
+        return int(self.indices.shape[0])
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.data)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.data[key]
+
+    @property
+    def images(self) -> torch.Tensor:
+        """The inputs of ``(input, target)`` samples (``data[0]``)."""
+        return self.data[0]
+
+    @property
+    def labels(self) -> torch.Tensor:
+        """The targets of ``(input, target)`` samples (``data[1]``)."""
+        return self.data[1]
 
 
 @dataclass
@@ -121,8 +147,8 @@ class Batcher:
                 if self._left is not None:
                     self._left -= 1
                 self._pending.append((piece, 0))
-                self._have += len(piece.labels)
-                self._piece_len = len(piece.labels) or self._piece_len
+                self._have += len(piece)
+                self._piece_len = len(piece) or self._piece_len
             if not self._have:
                 return None
             n = min(self.batch_size, self._have)
@@ -153,30 +179,58 @@ def _take(pending: list[tuple[PreparedChunk, int]], n: int,
     """Cut the first ``n`` samples off ``pending``; returns (batch, rest)."""
     stats.batches += 1
     piece, at = pending[0]
-    if len(piece.labels) - at >= n:  # inside one piece: a view, no copy
-        rest = pending[1:] if at + n == len(piece.labels) else [(piece, at + n)] + pending[1:]
-        return _batch(piece.images[at : at + n], [(piece, at, at + n)]), rest
+    if len(piece) - at >= n:  # inside one piece: views, no copy
+        rest = pending[1:] if at + n == len(piece) else [(piece, at + n)] + pending[1:]
+        return _batch([(piece, at, at + n)]), rest
     stats.copied += 1
     parts, need, rest = [], n, list(pending)
     while need:
         piece, at = rest.pop(0)
-        k = min(need, len(piece.labels) - at)
+        k = min(need, len(piece) - at)
         parts.append((piece, at, at + k))
-        if at + k < len(piece.labels):
+        if at + k < len(piece):
             rest.insert(0, (piece, at + k))
         need -= k
-    # One copy into trial-owned memory: the batch then pins no shared pieces.
-    return _batch(np.concatenate([p.images[a:b] for p, a, b in parts]), parts), rest
+    return _batch(parts), rest
 
 
-def _batch(images: np.ndarray, parts: list[tuple[PreparedChunk, int, int]]) -> Batch:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # torch warns that a shared array is read-only
-        pixels = torch.from_numpy(images)
+def _batch(parts: list[tuple[PreparedChunk, int, int]]) -> Batch:
+    """The batch of rows ``[a, b)`` of each piece: stacked leaves are views of a single piece, one copy
+    into trial-owned memory across pieces (the batch then pins no shared pieces)."""
+    layout = parts[0][0].layout
+    leaves: list[Any] = []
+    for j, spec in enumerate(layout.leaves):
+        if spec.kind == "dense":
+            rows = [p.leaves[j][a:b] for p, a, b in parts]
+            leaves.append(_tensor(rows[0] if len(rows) == 1 else np.concatenate(rows), spec.dtype))
+        elif spec.kind == "ragged":
+            leaves.append([_tensor(p.leaves[j][i], spec.dtype) for p, a, b in parts for i in range(a, b)])
+        else:
+            leaves.append([p.leaves[j][i] for p, a, b in parts for i in range(a, b)])
     epochs = np.concatenate([np.full(b - a, p.epoch, dtype=np.int64) for p, a, b in parts])
     # A piece of k views lays them view-major: rows [v*n, (v+1)*n) are view v of its n samples.
-    views = np.concatenate([np.arange(a, b, dtype=np.int64) // max(len(p.labels) // p.views, 1) for p, a, b in parts])
-    return Batch(images=pixels,
-                 labels=torch.from_numpy(np.concatenate([p.labels[a:b] for p, a, b in parts])),
-                 indices=torch.from_numpy(np.concatenate([p.indices[a:b] for p, a, b in parts])),
-                 stream_epochs=torch.from_numpy(epochs), repeats=torch.from_numpy(views))
+    views = np.concatenate([np.arange(a, b, dtype=np.int64) // max(len(p) // p.views, 1) for p, a, b in parts])
+    return Batch(layout, leaves, torch.from_numpy(np.concatenate([p.indices[a:b] for p, a, b in parts])),
+                 torch.from_numpy(epochs), torch.from_numpy(views))
+
+
+def _tensor(array: np.ndarray, dtype: str) -> torch.Tensor:
+    """A tensor sharing ``array``'s memory (bfloat16 from its int16 bits)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns that a shared array is read-only
+        out = torch.from_numpy(array)
+    return out.view(torch.bfloat16) if dtype == "bfloat16" else out
+
+
+def select(rows: Sequence[tuple[Batch, int]], repeats: Sequence[int]) -> Batch:
+    """One batch of the given (batch, row) pairs, copied into memory the trial owns (echoing)."""
+    first = rows[0][0]
+    leaves: list[Any] = []
+    for j, spec in enumerate(first.layout.leaves):
+        if spec.kind == "dense":
+            leaves.append(torch.stack([b.leaves[j][r] for b, r in rows]))
+        else:
+            leaves.append([b.leaves[j][r] for b, r in rows])
+    pick = lambda name: torch.stack([getattr(b, name)[r] for b, r in rows])  # noqa: E731
+    return Batch(first.layout, leaves, pick("indices"), pick("stream_epochs"),
+                 torch.tensor(list(repeats), dtype=torch.int64))

@@ -1,48 +1,157 @@
-"""Preparing one piece of the stream: the same function in prep actors and in unshared trials."""
+"""Preparing one piece of the stream, and how a piece holds its samples: the same function in prep
+actors, in a private stream's workers and in evaluation.
+
+A piece stacks the samples of one :class:`~coordinated_prep.pipeline.structure.Layout` leaf by leaf
+into one buffer padded by a page on each side (:func:`~coordinated_prep.readonly.padded_empty`): a
+dense leaf as one array ``(rows, *shape)``, a ragged leaf as its samples' bytes end to end with
+their offsets and shapes; strings ride along as a list. The piece pickles that whole buffer (Ray
+stores it zero-copy), so a trial maps the piece's pages read-only without touching another object's
+bytes (:mod:`coordinated_prep.readonly`), and a batch inside one piece is a view of it.
+
+A piece of a group with ``views`` = k > 1 (echoing before augmentation) holds k augmented views of
+each of its n samples, view-major: rows ``[v*n, (v+1)*n)`` are view ``v``, so ``indices`` repeat
+k times and the views of one sample lie n rows apart.
+"""
 
 from __future__ import annotations
 
+import functools
 import time
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Sequence
 
 import numpy as np
 
-from coordinated_prep.contracts import BatchPreprocessor, BatchSource, DataSource, Preprocessor
-from coordinated_prep.errors import SampleError
+from coordinated_prep.errors import SampleError, StructureError
+from coordinated_prep.pipeline.structure import LeafSpec, Layout
 from coordinated_prep.readonly import padded_base, padded_empty
 
+_ALIGN = 64  # each leaf's bytes start at a multiple of this: any dtype's alignment, a cache line
 
-class PreparedChunk(NamedTuple):
-    """One prepared piece: arrays aligned by position; Ray stores each array zero-copy.
 
-    Images prepared by :func:`prepare_chunk` and :func:`eval_chunk` lie in a buffer padded by a
-    page on each side (:func:`~coordinated_prep.readonly.padded_empty`), and the piece pickles that
-    whole buffer, so that a trial can map the images' pages read-only without touching another
-    object's bytes (:mod:`coordinated_prep.readonly`).
+class PreparedChunk:
+    """One prepared piece: ``len(piece)`` rows of one layout, their dataset indices and stream epoch.
 
-    A piece of a group with ``views`` = k > 1 (echoing before augmentation) holds k augmented views
-    of each of its n samples, view-major: rows ``[v*n, (v+1)*n)`` are view ``v``, so ``labels`` and
-    ``indices`` repeat k times and the views of one sample lie n rows apart.
+    Attributes:
+        layout: The samples' structure and how each leaf is stored.
+        leaves: Per leaf: a dense ``np.ndarray`` (rows, *shape) (for a bfloat16 leaf, its int16 bits),
+            a ragged leaf's list of per-row arrays, or a list of strings. Views of ``buffer``.
+        buffer: The uint8 bytes of every dense and ragged leaf (in a padded buffer).
+        indices: int64 (rows,): dataset index of each row.
+        epoch: The stream epoch whose draws produced these samples (-1: evaluation).
+        views: Augmented views per sample, laid view-major.
     """
 
-    images: np.ndarray  # uint8 (n * views, 3, size, size)
-    labels: np.ndarray  # int64 (n * views,)
-    indices: np.ndarray  # int64 (n * views,): dataset index of each row
-    epoch: int  # the stream epoch whose augmentation draws produced these samples
-    views: int = 1  # augmented views per sample, laid view-major
+    __slots__ = ("layout", "leaves", "buffer", "indices", "epoch", "views", "_meta")
+
+    def __init__(self, layout: Layout, buffer: np.ndarray, meta: tuple, indices: np.ndarray, epoch: int,
+                 views: int = 1) -> None:
+        self.layout, self.buffer, self._meta = layout, buffer, meta
+        self.indices, self.epoch, self.views = indices, epoch, views
+        rows = len(indices)
+        leaves: list[Any] = []
+        for spec, entry in zip(layout.leaves, meta):
+            if spec.kind == "object":
+                leaves.append(entry)
+                continue
+            start, nbytes = entry[0], entry[1]
+            flat = buffer[start : start + nbytes]
+            if spec.kind == "dense":
+                leaves.append(flat.view(_storage(spec.dtype)).reshape((rows, *spec.shape)))  # type: ignore[misc]
+            else:
+                offsets, shapes = entry[2], entry[3]
+                leaves.append([flat[offsets[i] : offsets[i + 1]].view(_storage(spec.dtype)).reshape(shapes[i])
+                               for i in range(rows)])
+        self.leaves = tuple(leaves)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @property
+    def images(self) -> np.ndarray:
+        """The first leaf (the input of an ``(input, target)`` sample), stacked."""
+        return self.leaves[0]
+
+    @property
+    def labels(self) -> np.ndarray:
+        """The second leaf (the target of an ``(input, target)`` sample)."""
+        return self.leaves[1]
 
     def __reduce__(self) -> tuple:
-        found = padded_base(self.images)
-        if found is None:
-            return PreparedChunk, tuple(self)
+        found = padded_base(self.buffer)
+        if found is None:  # not in a padded buffer (a piece built by hand): pickled as it is
+            return PreparedChunk, (self.layout, self.buffer, self._meta, self.indices, self.epoch, self.views)
         base, offset = found
-        return _unpickle_padded, (base, offset, self.images.shape, self.labels, self.indices, self.epoch, self.views)
+        return _unpickle_padded, (base, offset, self.buffer.nbytes, self.layout, self._meta, self.indices,
+                                  self.epoch, self.views)
 
 
-def _unpickle_padded(base: np.ndarray, offset: int, shape: tuple[int, ...], labels: np.ndarray,
-                     indices: np.ndarray, epoch: int, views: int = 1) -> PreparedChunk:
-    nbytes = int(np.prod(shape))
-    return PreparedChunk(base[offset : offset + nbytes].reshape(shape), labels, indices, epoch, views)
+def _unpickle_padded(base: np.ndarray, offset: int, nbytes: int, layout: Layout, meta: tuple, indices: np.ndarray,
+                     epoch: int, views: int) -> PreparedChunk:
+    return PreparedChunk(layout, base[offset : offset + nbytes], meta, indices, epoch, views)
+
+
+@functools.lru_cache(maxsize=None)
+def _storage(dtype: str) -> np.dtype:
+    """NumPy dtype that stores torch dtype ``dtype`` (bfloat16's bits as int16)."""
+    import torch
+
+    if dtype == "bfloat16":
+        return np.dtype(np.int16)
+    return torch.empty(0, dtype=getattr(torch, dtype)).numpy().dtype
+
+
+def stack(layout: Layout, rows: Sequence[Sequence[Any]], indices: np.ndarray, epoch: int,
+          views: int = 1) -> PreparedChunk:
+    """One piece of ``rows`` (each a sample's leaves, checked by :meth:`Layout.check`), padded."""
+    n = len(rows)
+    plan: list[tuple] = []
+    total = 0
+    for j, spec in enumerate(layout.leaves):
+        if spec.kind == "object":
+            plan.append((spec, None))
+            continue
+        if spec.kind == "dense":
+            nbytes = n * int(np.prod(spec.shape, dtype=np.int64)) * _storage(spec.dtype).itemsize  # type: ignore[arg-type]
+            plan.append((spec, (total, nbytes)))
+        else:
+            sizes = [rows[i][j].nbytes for i in range(n)]
+            offsets = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(sizes, out=offsets[1:])
+            nbytes = int(offsets[-1])
+            plan.append((spec, (total, nbytes, offsets, tuple(rows[i][j].shape for i in range(n)))))
+        total += -(-nbytes // _ALIGN) * _ALIGN
+    buffer = padded_empty((total,))
+    meta: list[Any] = []
+    for j, (spec, where) in enumerate(plan):
+        if spec.kind == "object":
+            meta.append([rows[i][j] for i in range(n)])
+            continue
+        start, nbytes = where[0], where[1]
+        flat = buffer[start : start + nbytes]
+        if spec.kind == "dense":
+            out = flat.view(_storage(spec.dtype)).reshape((n, *spec.shape))
+            for i in range(n):
+                out[i] = rows[i][j]
+            meta.append((start, nbytes))
+        else:
+            offsets = where[2]
+            for i in range(n):
+                flat[offsets[i] : offsets[i + 1]] = rows[i][j].reshape(-1).view(np.uint8)
+            meta.append((start, nbytes, offsets, where[3]))
+    return PreparedChunk(layout, buffer, tuple(meta), np.asarray(indices, dtype=np.int64), epoch, views)
+
+
+def image_layout(shape: tuple[int, ...]) -> Layout:
+    """The layout of ``(uint8 image of shape, int label)`` samples: the built-in pipeline's."""
+    return Layout(("tuple", (("leaf",), ("leaf",))), (LeafSpec("dense", "uint8", tuple(shape)), LeafSpec("dense", "int64", ())))
+
+
+def image_piece(images: np.ndarray, labels: np.ndarray, indices: np.ndarray, epoch: int,
+                views: int = 1) -> PreparedChunk:
+    """A piece of ``(image, label)`` samples from stacked arrays (tests and hand-made pieces)."""
+    layout = image_layout(tuple(images.shape[1:]))
+    rows = [(images[i], np.int64(labels[i])) for i in range(len(indices))]
+    return stack(layout, rows, np.asarray(indices, dtype=np.int64), epoch, views)
 
 
 class ChunkTiming(NamedTuple):
@@ -58,127 +167,103 @@ class ChunkTiming(NamedTuple):
 
 
 def prepare_chunk(
-    source: DataSource, preprocessor: Preprocessor, seed: int, epoch: int, indices: np.ndarray, size: int,
+    pipeline: Any, layout: Layout, seed: int, epoch: int, indices: np.ndarray,
     on_error: Literal["raise", "skip"] = "raise", views: int = 1,
 ) -> tuple[PreparedChunk, ChunkTiming]:
-    """Read, decode and augment the samples ``indices`` for stream epoch ``epoch``.
+    """Read, decode and transform the samples ``indices`` for stream epoch ``epoch``.
 
-    With ``views`` = k > 1 each sample is read and decoded once and augmented k times (view ``v``'s
-    crop drawn from seed, epoch, index and ``v``; view 0's is the draw of ``views=1``), laid
-    view-major (see :class:`PreparedChunk`). A DALI backend decodes the crop window of each view
-    (its ROI decoder), so there k views cost k partial decodes.
-
-    All samples are read first (the fetch stage), then transformed: in one call for a
-    :class:`BatchPreprocessor` (DALI), else one by one. With ``on_error="skip"`` a sample that cannot
-    be read or decoded is left out of the piece (so every trial reading the piece leaves it out
-    alike) and reported in the timing's ``skipped``; a failed batch is retried sample by sample to
-    find the culprit.
+    All samples are read first (the fetch stage), then transformed: in one call for a pipeline with
+    ``train_batch`` (DALI), else one by one. With ``views`` = k > 1 each sample is read once and
+    transformed k times (view ``v`` drawn from seed, epoch, index and ``v``; view 0 is the draw of
+    ``views=1``), laid view-major. With ``on_error="skip"`` a sample that cannot be read, decoded
+    or transformed is left out of the piece (so every trial reading the piece leaves it out alike)
+    and reported in the timing's ``skipped``; a failed batch is retried sample by sample to find
+    the culprit.
 
     Raises:
-        SampleError: With ``on_error="raise"``, a sample's file cannot be read or decoded; names the
-            index and the file.
+        SampleError: With ``on_error="raise"``, a sample cannot be read, decoded or transformed;
+            names the index and where it lives.
+        StructureError: A sample's structure differs from the layout's (always raised: no sample
+            of the pipeline can be trusted then).
     """
     skipped: list[tuple[int, str, str]] = []
     t0 = time.perf_counter()
-    ids = indices.tolist()
-    if isinstance(source, BatchSource):
-        reads = source.read_many(ids)
-    else:
-        reads = []
-        for index in ids:
-            try:
-                reads.append(source.read(index))
-            except SampleError as e:
-                reads.append(e)
-    blobs: list[tuple[int, bytes]] = []
-    for index, data in zip(ids, reads):
-        if not isinstance(data, SampleError):
-            blobs.append((index, data))
+    ids = [int(i) for i in indices]
+    raws: list[tuple[int, Any]] = []
+    for index, raw in zip(ids, pipeline.fetch(ids, seed, epoch)):
+        if not isinstance(raw, SampleError):
+            raws.append((index, raw))
         elif on_error == "raise":
-            raise data
+            raise raw
         else:
-            skipped.append((data.index, data.path, data.reason))
+            skipped.append((raw.index, raw.path, raw.reason))
     t1 = time.perf_counter()
-    images: np.ndarray | None = None
+    per_view: list[list[Any]] | None = None
     kept: list[int] = []
-    if isinstance(preprocessor, BatchPreprocessor) and blobs:
+    if getattr(pipeline, "train_batch", None) is not None and raws:
         try:
-            datas, ids_ = [d for _, d in blobs] * views, [i for i, _ in blobs] * views  # view-major
-            if views == 1:
-                batch = preprocessor.train_batch(datas, seed, epoch, ids_)
-            else:
-                batch = preprocessor.train_batch(datas, seed, epoch, ids_, [v for v in range(views) for _ in blobs])
-            images = padded_empty(batch.shape)
-            images[...] = batch  # into a padded buffer, so trials can map it read-only
-            kept = [i for i, _ in blobs]
+            datas, rows_ids = [d for _, d in raws] * views, [i for i, _ in raws] * views  # view-major
+            samples = pipeline.train_batch(datas, seed, epoch, rows_ids, [v for v in range(views) for _ in raws])
+            n = len(raws)
+            per_view = [samples[v * n : (v + 1) * n] for v in range(views)]
+            kept = [i for i, _ in raws]
         except Exception:  # one bad sample fails the whole batch: find it sample by sample below
-            images = None
-    if images is None:
-        n = len(blobs)
-        images = padded_empty((views * n, 3, size, size))
-        rows = images.reshape(views, n, 3, size, size) if n else images  # view-major, written in place
-        kept = []
-        for index, data in blobs:
+            per_view = None
+    if per_view is None:
+        per_view = [[] for _ in range(views)]
+        for index, raw in raws:
             try:
-                if views == 1:
-                    rows[0, len(kept)] = preprocessor.train(data, seed, epoch, index)
-                else:
-                    rows[:, len(kept)] = preprocessor.train_views(data, seed, epoch, index, views)
-            except Exception as e:  # decoders raise RuntimeError/ValueError/OSError: name the file
-                error = SampleError(index, source.describe(index), f"cannot decode or transform: {e}")
+                out = pipeline.train(raw, seed, epoch, index, views)
+            except (StructureError,):
+                raise
+            except Exception as e:  # decoders raise RuntimeError/ValueError/OSError, transforms anything
+                error = e if isinstance(e, SampleError) else SampleError(
+                    index, pipeline.describe(index), f"cannot decode or transform: {type(e).__name__}: {e}")
                 if on_error == "raise":
                     raise error from e
                 skipped.append((error.index, error.path, error.reason))
                 continue
+            for v in range(views):
+                per_view[v].append(out[v])
             kept.append(index)
-        if len(kept) < n:  # skipped samples: close the gaps of every view (rare; one copy)
-            if views == 1:
-                images = images[: len(kept)]
-            else:
-                packed = padded_empty((views * len(kept), 3, size, size))
-                packed.reshape(views, len(kept), 3, size, size)[...] = rows[:, : len(kept)]
-                images = packed
-    fetch_s, transform_s = t1 - t0, time.perf_counter() - t1
-    ids = np.asarray(kept, dtype=np.int64)
-    if views > 1:
-        ids = np.tile(ids, views)
-    chunk = PreparedChunk(images, source.labels[ids], ids, epoch, views)
-    return chunk, ChunkTiming(fetch_s, transform_s, tuple(skipped))
+    where = "data"
+    rows = [layout.check(sample, kept[k], where) for v in range(views) for k, sample in enumerate(per_view[v])]
+    chunk = stack(layout, rows, np.tile(np.asarray(kept, dtype=np.int64), views), epoch, views)
+    return chunk, ChunkTiming(t1 - t0, time.perf_counter() - t1, tuple(skipped))
 
 
-def eval_chunk(source: DataSource, preprocessor: Preprocessor, indices: np.ndarray,
+def eval_chunk(pipeline: Any, layout: Layout, seed: int, indices: np.ndarray,
                on_error: Literal["raise", "skip"] = "raise",
                skipped: list[tuple[int, str, str]] | None = None) -> PreparedChunk:
-    """Read, decode, resize and centre-crop the held-out samples ``indices`` (deterministic; epoch -1).
+    """Read and prepare the held-out samples ``indices`` for evaluation (epoch -1).
 
-    With ``on_error="skip"`` a sample that cannot be read or decoded is left out of the piece and
+    With ``on_error="skip"`` a sample that cannot be read or prepared is left out of the piece and
     appended to ``skipped`` as (index, path, reason), as :func:`prepare_chunk` does for training.
 
     Raises:
-        SampleError: With ``on_error="raise"``, a sample's file cannot be read or decoded; names the
-            index and the file.
+        SampleError: With ``on_error="raise"``, a sample cannot be read or prepared; names the
+            index and where it lives.
     """
-    rows: list[np.ndarray] = []
+    rows: list[Any] = []
     kept: list[int] = []
-    for index in indices.tolist():
+    ids = [int(i) for i in indices]
+    for index, raw in zip(ids, pipeline.fetch(ids, seed, -1)):
         try:
-            data = source.read(index)
+            if isinstance(raw, SampleError):
+                raise raw
             try:
-                image = preprocessor.eval(data)
-            except Exception as e:  # decoders raise RuntimeError/ValueError/OSError: name the file
-                raise SampleError(index, source.describe(index), f"cannot decode or transform: {e}") from e
+                sample = pipeline.eval(raw, seed, index)
+            except StructureError:
+                raise
+            except Exception as e:
+                raise SampleError(index, pipeline.describe(index),
+                                  f"cannot decode or transform: {type(e).__name__}: {e}") from e
         except SampleError as error:
             if on_error == "raise":
                 raise
             if skipped is not None:
                 skipped.append((error.index, error.path, error.reason))
             continue
-        rows.append(image)
+        rows.append(layout.check(sample, index, "data (evaluation)"))
         kept.append(index)
-    ids = np.asarray(kept, dtype=np.int64)
-    if not rows:  # no samples: nothing to protect
-        return PreparedChunk(np.empty((0, 3, 0, 0), dtype=np.uint8), source.labels[ids], ids, -1)
-    images = padded_empty((len(rows), *rows[0].shape))
-    for k, image in enumerate(rows):
-        images[k] = image
-    return PreparedChunk(images, source.labels[ids], ids, -1)
+    return stack(layout, rows, np.asarray(kept, dtype=np.int64), -1)

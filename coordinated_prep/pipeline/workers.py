@@ -1,0 +1,95 @@
+"""Pieces prepared in parallel worker processes for one training process (a private stream).
+
+Outside a sweep (or unshared) a spec's pieces are prepared in the process that reads them. With
+``workers`` > 0 a ``torch.utils.data.DataLoader`` prepares whole pieces in that many worker
+processes, ``prefetch`` pieces ahead of each; a piece's buffer travels as a tensor, so torch moves
+it through shared memory instead of a pipe. Errors raised in a worker (a bad sample under
+``on_error="raise"``) are re-raised here, where the piece is read, by the DataLoader.
+
+Life cycle of a piece here: a worker prepares it (``prepare_chunk``) into a buffer it owns; torch
+copies the buffer into a shared-memory segment for the reading process, which owns the segment
+from then on; the segment is freed when the last batch viewing it is collected.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterator
+
+import numpy as np
+
+from coordinated_prep.pipeline.chunk import PreparedChunk, prepare_chunk
+from coordinated_prep.pipeline.structure import Layout
+
+
+class _Pieces:
+    """Map-style dataset of pieces: item ``g`` is piece ``g`` of the plan, as a worker ships it."""
+
+    def __init__(self, spec: Any, plan: Any, layout: Layout) -> None:
+        self.spec, self.plan, self.layout = spec, plan, layout
+        self._pipeline: Any = None  # built in each worker, at its first piece
+
+    def __getitem__(self, g: int) -> tuple:
+        from coordinated_prep.pipeline.transforms import make_pipeline
+
+        if self._pipeline is None:
+            self._pipeline = make_pipeline(self.spec)
+        epoch, _ = self.plan.locate(g)
+        chunk, _ = prepare_chunk(self._pipeline, self.layout, self.spec.seed, epoch, self.plan.chunk_samples(g),
+                                 self.spec.on_error, self.spec.views)
+        return _ship(chunk)
+
+
+def _ship(chunk: PreparedChunk) -> tuple:
+    import torch
+
+    return (torch.from_numpy(chunk.buffer), chunk.layout, chunk._meta, chunk.indices, chunk.epoch, chunk.views)
+
+
+def _land(shipped: tuple) -> PreparedChunk:
+    buffer, layout, meta, indices, epoch, views = shipped
+    return PreparedChunk(layout, buffer.numpy(), meta, np.asarray(indices), int(epoch), int(views))
+
+
+def _identity(item: Any) -> Any:
+    return item
+
+
+class WorkerPieces:
+    """Pieces ``first, first + 1, ...`` of ``plan`` from ``workers`` processes, in order.
+
+    Args:
+        spec: The DataSpec.
+        plan: Its stream plan.
+        layout: Its training samples' layout.
+        workers: Worker processes (> 0).
+        prefetch: Pieces each worker prepares ahead.
+    """
+
+    def __init__(self, spec: Any, plan: Any, layout: Layout, workers: int, prefetch: int = 2) -> None:
+        self._dataset = _Pieces(spec, plan, layout)
+        self._workers, self._prefetch = workers, prefetch
+        self._it: Iterator[Any] | None = None
+        self._next = 0
+
+    def start(self, g: int) -> None:
+        """Prepare from piece ``g`` on (drops what was prefetched before it)."""
+        from torch.utils.data import DataLoader
+
+        self.close()
+        loader = DataLoader(self._dataset, batch_size=None, sampler=itertools.count(g), num_workers=self._workers,
+                            prefetch_factor=self._prefetch, collate_fn=_identity, persistent_workers=False)
+        self._it, self._next = iter(loader), g
+
+    def next(self, g: int) -> PreparedChunk:
+        """Piece ``g``: the next in order, or a restart at ``g`` after a skip."""
+        if self._it is None or g != self._next:
+            self.start(g)
+        self._next += 1
+        return _land(next(self._it))  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Stop the workers (the DataLoader's iterator shuts them down when dropped)."""
+        it, self._it = self._it, None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
