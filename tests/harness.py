@@ -7,6 +7,7 @@ import math
 from typing import Iterable, Sequence
 
 import numpy as np
+import torch
 
 from coordinated_prep import DataSpec
 from coordinated_prep.pipeline.backends import make_preprocessor
@@ -34,6 +35,19 @@ def sample_digests(images: np.ndarray) -> np.ndarray:
     """A 64-bit digest of each sample's bytes."""
     return np.array([int.from_bytes(hashlib.blake2b(img.tobytes(), digest_size=8).digest(), "little")
                      for img in images], dtype=np.uint64)
+
+
+def batch_digests(batch) -> np.ndarray:
+    """A 64-bit digest of each sample of a Batch, over all its leaves (stacked, ragged or strings)."""
+    out = np.empty(len(batch), dtype=np.uint64)
+    for i in range(len(batch)):
+        h = hashlib.blake2b(digest_size=8)
+        for leaf in batch.leaves:
+            row = leaf[i]
+            h.update(row.encode() if isinstance(row, str) else row.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                     if row.dim() else row.reshape(1).view(torch.uint8).numpy().tobytes())
+        out[i] = int.from_bytes(h.digest(), "little")
+    return out
 
 
 def train_ids(spec: DataSpec) -> np.ndarray:

@@ -83,6 +83,15 @@ def test_a_cache_is_configured_with_units(tmp_path):
      r"search_space.echo.choice\[1\]='twice' is not a valid echo setting .* use 1 or 'off'"),
     (("  epochs: 2\n", "  epochs: 2\n  echo: {uniform: [1, 3]}\n"), "cannot pick echo settings"),
     (("seed: 3,", "seed: 3, views: 0,"), "data.views=0 must be an integer >= 1"),
+    (("dataset: builtin:shapes", "dataset: {factory: 'no_such_pkg.data:make'}"),
+     r"data.dataset: factory 'no_such_pkg.data:make': module 'no_such_pkg.data' does not import \(ModuleNotFoundError"),
+    (("dataset: builtin:shapes", "dataset: {factory: 'os.path:no_such_fn'}"),
+     r"data.dataset: factory 'os.path:no_such_fn': 'os.path' has no attribute 'no_such_fn'"),
+    (("dataset: builtin:shapes", "dataset: {factory: 'os.path:join', arg: {}}"),
+     r"data.dataset: a factory mapping has the keys 'factory' .* and 'args' \(optional\); got \['arg', 'factory'\]"),
+    (("dataset: builtin:shapes", "dataset: {factory: os.path.join}"), r"factory='os.path.join' must be an import path"),
+    (("seed: 3,", "seed: 3, transform: {factory: 'torchvision.transforms.v2:NoSuchTransform'},"),
+     r"data.transform: factory .* has no attribute 'NoSuchTransform'"),
 ])
 def test_mistakes_name_the_file_key_and_allowed_values(tmp_path, change, message):
     path = _write(tmp_path, GOOD.replace(*change))

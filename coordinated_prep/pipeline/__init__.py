@@ -5,3 +5,7 @@ prepared samples are stacked into pieces and cut into a trial's batches.
 - ``backends/``: the built-in image transforms (torchvision and DALI).
 - ``chunk.py``: preparing one piece; ``batching.py``: cutting pieces into batches.
 """
+
+from coordinated_prep.pipeline.datasets import ArrayDataset, Factory
+
+__all__ = ["ArrayDataset", "Factory"]

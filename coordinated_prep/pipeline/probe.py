@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from coordinated_prep.errors import ConfigError, SampleError
+from coordinated_prep.errors import ConfigError, SampleError, StructureError
 from coordinated_prep.pipeline.structure import Layout, flatten, make_layout, to_array
 from coordinated_prep.pipeline.transforms import ImagePipeline, Pipeline
 
@@ -69,8 +69,8 @@ def _prepared(pipeline: Pipeline, seed: int, ids: list[int], mode: str) -> list[
             continue
         try:
             sample = pipeline.train(raw, seed, 0, index, 1)[0] if mode == "train" else pipeline.eval(raw, seed, index)
-        except (ConfigError,) as e:
-            raise e
+        except (ConfigError, StructureError):
+            raise
         except Exception as e:
             out.append((index, SampleError(index, pipeline.describe(index), f"cannot decode or transform: {e}")))
             continue
@@ -87,7 +87,7 @@ def _equal(a: Any, b: Any) -> bool:
         try:
             x, y = to_array(x, 0, "", "")[0], to_array(y, 0, "", "")[0]
         except Exception:
-            return False  # the layout names the leaf no batch can hold
+            continue  # a leaf no batch can hold: make_layout names it
         if isinstance(x, str) or isinstance(y, str):
             if x != y:
                 return False

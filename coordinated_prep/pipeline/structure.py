@@ -195,7 +195,8 @@ def to_array(leaf: Any, index: int, name: str, where: str) -> tuple[np.ndarray |
             return t.view(torch.int16).numpy(), dtype
         return t.numpy(), dtype
     if isinstance(leaf, np.ndarray) or isinstance(leaf, np.generic):
-        arr = np.ascontiguousarray(leaf)
+        arr = np.asarray(leaf)
+        arr = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)  # (ascontiguousarray makes 0-d 1-d)
         if arr.dtype.kind in "OUSV":
             raise StructureError(f"{where}: sample {index}, leaf {name or 'the sample'!r} is a NumPy array of "
                                  f"dtype {arr.dtype}, which no tensor can hold; convert it to numbers")

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from coordinated_prep.errors import CoordinatedPrepError
 from coordinated_prep.pipeline.chunk import PreparedChunk, prepare_chunk
 from coordinated_prep.pipeline.structure import Layout
 
@@ -35,8 +36,11 @@ class _Pieces:
         if self._pipeline is None:
             self._pipeline = make_pipeline(self.spec)
         epoch, _ = self.plan.locate(g)
-        chunk, _ = prepare_chunk(self._pipeline, self.layout, self.spec.seed, epoch, self.plan.chunk_samples(g),
-                                 self.spec.on_error, self.spec.views)
+        try:
+            chunk, _ = prepare_chunk(self._pipeline, self.layout, self.spec.seed, epoch, self.plan.chunk_samples(g),
+                                     self.spec.on_error, self.spec.views)
+        except CoordinatedPrepError as e:  # shipped as a value: the DataLoader would re-raise a RuntimeError
+            return (e,)
         return _ship(chunk)
 
 
@@ -86,7 +90,11 @@ class WorkerPieces:
         if self._it is None or g != self._next:
             self.start(g)
         self._next += 1
-        return _land(next(self._it))  # type: ignore[arg-type]
+        shipped = next(self._it)  # type: ignore[arg-type]
+        if len(shipped) == 1:
+            self.close()
+            raise shipped[0]  # the SampleError or StructureError, as the reading process would raise it
+        return _land(shipped)
 
     def close(self) -> None:
         """Stop the workers (the DataLoader's iterator shuts them down when dropped)."""

@@ -143,7 +143,8 @@ def _parse(path: str, raw: Any) -> SweepConfig:
     trainable = _typed(raw, "trainable", str, "a registered trainable name or module:function")
     resolve_trainable(trainable, path)
     data = DataSpec.from_mapping(raw.get("data") or {}, where="data")
-    _check_dataset(data.dataset)
+    if isinstance(data.dataset, str):
+        _check_dataset(data.dataset)
     space = raw["search_space"]
     if not isinstance(space, Mapping) or not space:
         raise ConfigError("search_space must be a non-empty mapping of config keys to constants or distributions")

@@ -1,0 +1,137 @@
+"""Datasets and transforms of the user's, outside a sweep: keys, seeding, errors, the standalone loader (no Ray)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from torchvision.transforms import v2
+
+from coordinated_prep import ConfigError, DataSpec, SampleError, train_loader
+from coordinated_prep.errors import StructureError
+from coordinated_prep.pipeline import ArrayDataset, Factory
+from tests.harness import assert_exactly_once, batch_digests
+
+
+def images(n: int = 96, size: int = 24, seed: int = 0) -> ArrayDataset:
+    """``n`` random uint8 (size, size, 3) images with labels ``i % 10``: CIFAR-style arrays in memory."""
+    rng = np.random.default_rng(seed)
+    return ArrayDataset(rng.integers(0, 256, (n, size, size, 3), dtype=np.uint8), np.arange(n) % 10)
+
+
+AUGMENT = v2.Compose([v2.ToImage(), v2.RandomResizedCrop(16, scale=(0.3, 1.0), antialias=True), v2.RandomHorizontalFlip(),
+                      v2.ColorJitter(0.4, 0.4, 0.4), v2.RandAugment(), v2.ToDtype(torch.float32, scale=True),
+                      v2.Normalize([0.5] * 3, [0.25] * 3)])
+
+
+def _epochs(loader, epochs: int) -> list[dict]:
+    out = []
+    for _ in range(epochs):
+        ids, digests = [], []
+        for batch in loader:
+            ids.append(batch.indices.numpy())
+            digests.append(batch_digests(batch))
+        out.append({"indices": np.concatenate(ids), "digests": np.concatenate(digests)})
+    return out
+
+
+def test_equal_datasets_and_transforms_make_one_group_key_and_others_another():
+    a = DataSpec(dataset=images(), transform=AUGMENT)
+    assert a.group_key == DataSpec(dataset=images(), transform=AUGMENT).group_key, "built alike: one group"
+    assert a.group_key != DataSpec(dataset=images(seed=1), transform=AUGMENT).group_key
+    assert a.group_key != DataSpec(dataset=images(), transform=v2.RandomHorizontalFlip()).group_key
+    f = DataSpec(dataset=Factory("tests.test_datasets:images", {"n": 64}))
+    assert f.group_key == DataSpec(dataset={"factory": "tests.test_datasets:images", "args": {"n": 64}}).group_key
+    assert f.group_key != DataSpec(dataset=Factory("tests.test_datasets:images", {"n": 65})).group_key
+
+
+def test_a_dataset_that_cannot_be_pickled_is_refused_with_the_fix():
+    class Holding(ArrayDataset):
+        lock = None
+
+    held = Holding(np.zeros((4, 2)))
+    held.lock = threading.Lock()
+    with pytest.raises(ConfigError, match=r"data.dataset=.* cannot be pickled .*created lazily.*Factory"):
+        DataSpec(dataset=held)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_standalone_loader_serves_exact_epochs_with_the_bytes_of_any_worker_count(workers):
+    spec = DataSpec(dataset=images(), transform=AUGMENT, holdout=0.25, chunk_size=16, coordinated=False)
+    got = _epochs(train_loader(spec, 10, epochs=3, num_workers=workers), 3)
+    train = sorted(set(range(96)) - set(_held_out(spec)))
+    assert_exactly_once([e["indices"] for e in got], train)
+    alone = _epochs(train_loader(spec, 10, epochs=3, num_workers=0), 3)
+    for e, want in zip(got, alone):
+        assert np.array_equal(e["indices"], want["indices"]) and np.array_equal(e["digests"], want["digests"])
+    assert not np.array_equal(np.sort(got[0]["digests"]), np.sort(got[1]["digests"])), "each epoch draws anew"
+
+
+def _held_out(spec: DataSpec) -> np.ndarray:
+    from coordinated_prep.plan import holdout_split
+
+    return holdout_split(96, spec.holdout)[1]
+
+
+def test_the_callers_random_state_is_left_as_it_was():
+    torch.manual_seed(7)
+    np.random.seed(7)
+    want_t, want_n = torch.rand(3), np.random.rand(3)
+    torch.manual_seed(7)
+    np.random.seed(7)
+    list(train_loader(DataSpec(dataset=images(), transform=AUGMENT, coordinated=False), 32, epochs=1, num_workers=0))
+    assert torch.equal(torch.rand(3), want_t) and np.array_equal(np.random.rand(3), want_n)
+
+
+class OwnGenerator:
+    """A transform with a generator of its own, which no caller can seed."""
+
+    def __init__(self) -> None:
+        self.rng = np.random.default_rng()
+
+    def __call__(self, x):
+        return x + torch.as_tensor(self.rng.integers(0, 3, size=x.shape), dtype=x.dtype)
+
+
+def test_a_transform_the_library_cannot_seed_is_refused_at_the_start():
+    spec = DataSpec(dataset=images(), transform=v2.Compose([v2.ToImage(), OwnGenerator()]), coordinated=False)
+    with pytest.raises(ConfigError, match=r"other values when prepared twice from the same seed.*its own "
+                                          r"np.random.default_rng\(\).*global generators"):
+        train_loader(spec, 8, num_workers=0)
+
+
+class Flaky:
+    """Sample 13's ``__getitem__`` raises."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int):
+        if i == 13:
+            raise OSError("truncated record")
+        return np.full(4, i, np.float32), i
+
+
+def test_a_dataset_that_raises_for_one_index_fails_naming_it_or_skips_it():
+    with pytest.raises(SampleError, match=r"sample 13 \(Flaky\[13\]\): dataset\[13\] raised OSError: truncated record"):
+        list(train_loader(DataSpec(dataset=Flaky(), coordinated=False, holdout=0.0, chunk_size=8), 8, epochs=1,
+                          num_workers=0))
+    spec = DataSpec(dataset=Flaky(), coordinated=False, holdout=0.0, chunk_size=8, on_error="skip")
+    seen = np.concatenate([b.indices.numpy() for b in train_loader(spec, 8, epochs=1, num_workers=0)])
+    assert sorted(seen.tolist()) == [i for i in range(40) if i != 13]
+
+
+def test_a_workers_error_is_raised_where_the_piece_is_read():
+    with pytest.raises(SampleError, match=r"sample 13"):
+        list(train_loader(DataSpec(dataset=Flaky(), coordinated=False, holdout=0.0, chunk_size=8), 8, epochs=1,
+                          num_workers=2))
+
+
+def test_torchvision_exclusions_hold():
+    with pytest.raises(ConfigError, match="only transforms or transform/target_transform"):
+        DataSpec(dataset=images(), transforms=lambda x, y: (x, y), target_transform=int)
+    with pytest.raises(StructureError, match=r"not an \(input, target\) pair"):
+        list(train_loader(DataSpec(dataset=ArrayDataset(np.zeros((8, 2))), target_transform=int, coordinated=False,
+                                   holdout=0.0), 4, epochs=1, num_workers=0))
