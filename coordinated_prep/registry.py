@@ -295,7 +295,7 @@ class GroupRegistry:
         group = self._groups[key] = _Group(spec, node, None)
         budget = self._share(node, key, pool)
         piece_bytes = piece_size(spec.chunk_size, start[0]) * start[1].sample_bytes
-        if piece_bytes > max(budget, spec.staging_bytes or 0):
+        if piece_bytes > budget:
             del self._groups[key]
             raise ConfigError(
                 f"data group {spec.group_key} ({spec.dataset_name}): one piece of {piece_size(spec.chunk_size, start[0])} "

@@ -1,0 +1,155 @@
+"""The shared exactly-once harness, run with the user pipelines: CIFAR-style arrays through a v2.Compose
+with RandAugment, segmentation (image and mask cropped together), audio (waveforms to log-mel), and a
+detection-like target whose boxes vary in number. Each is a real sweep of concurrent trials sharing one
+group; each trial's epochs hold every training sample once, with the bytes the unshared pipeline makes
+in this process (prepared in the sweep by two prep actors, piece by piece in turn)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from ray import tune
+from torchvision import tv_tensors
+from torchvision.transforms import v2
+
+from coordinated_prep import CoordinatedSearcher, DataSpec, PoolSpec, eval_loader, train_loader
+from coordinated_prep.pipeline import Factory
+from coordinated_prep.pipeline.batching import batched
+from coordinated_prep.pipeline.chunk import eval_chunk, prepare_chunk
+from coordinated_prep.pipeline.probe import probe, train_indices
+from coordinated_prep.pipeline.transforms import make_pipeline
+from coordinated_prep.plan import holdout_split
+from tests.conftest import live_coordprep_actors
+from tests.harness import assert_exactly_once, batch_digests
+
+EPOCHS = 2
+
+
+class Detection:
+    """Images with 0-3 boxes each (a detection-like ragged target), as tv_tensors."""
+
+    def __init__(self, n: int = 120) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        k = i % 4
+        image = tv_tensors.Image(torch.full((3, 16, 16), i % 251, dtype=torch.uint8))
+        boxes = tv_tensors.BoundingBoxes(torch.tensor([[j, j, j + 4.0, j + 6.0] for j in range(k)]).reshape(k, 4),
+                                         format="XYXY", canvas_size=(16, 16))
+        return image, {"boxes": boxes, "labels": torch.arange(k, dtype=torch.int64) + i}
+
+
+PIPELINES = {
+    "cifar_v2": dict(dataset=Factory("trainables.data.cifar:make", {"n": 300}),
+                     transform=Factory("trainables.data.cifar:train_transform"),
+                     eval_transform=Factory("trainables.data.cifar:eval_transform")),
+    "segmentation": dict(dataset=Factory("trainables.data.segmentation:make", {"n": 160}),
+                         transforms=Factory("trainables.data.segmentation:train_transforms"),
+                         eval_transforms=Factory("trainables.data.segmentation:eval_transforms")),
+    "audio": dict(dataset=Factory("trainables.data.audio:make", {"n": 200}),
+                  transform=Factory("trainables.data.audio:train_transform"),
+                  eval_transform=Factory("trainables.data.audio:eval_transform")),
+    "detection": dict(dataset=Detection(), transforms=v2.Compose([v2.RandomHorizontalFlip(), v2.ColorJitter(0.5)])),
+}
+
+
+def _spec(name: str, **overrides) -> DataSpec:
+    return DataSpec(**{**PIPELINES[name], "seed": 3, "chunk_size": 16, "segments": 4, "holdout": 0.1, **overrides})
+
+
+def record_any(config: dict) -> None:
+    """Save per epoch the indices, stream epochs and a digest of every sample (all its leaves)."""
+    out = os.path.join(config["out"], tune.get_context().get_trial_id())
+    os.makedirs(out, exist_ok=True)
+    loader = train_loader(config, batch_size=config["batch_size"], epochs=EPOCHS)
+    for epoch in range(EPOCHS):
+        parts = [(b.indices.numpy(), b.stream_epochs.numpy(), batch_digests(b)) for b in loader]
+        np.savez(os.path.join(out, f"epoch{epoch}.npz"), *[np.concatenate(p) for p in zip(*parts)])
+        held = [(b.indices.numpy(), batch_digests(b)) for b in eval_loader(config, 16)]
+        np.savez(os.path.join(out, f"eval{epoch}.npz"), *[np.concatenate(p) for p in zip(*held)])
+        tune.report({"epoch": epoch + 1})
+
+
+def _reference(spec: DataSpec, epochs: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """The digest the unshared pipeline gives each (stream epoch, index), prepared in this process."""
+    pipeline = make_pipeline(spec)
+    layout = probe(pipeline, spec.seed, train_indices(len(pipeline), spec.holdout), spec.ragged).layout
+    out = np.empty(len(indices), dtype=np.uint64)
+    for e in np.unique(epochs):
+        sel = epochs == e
+        chunk, _ = prepare_chunk(pipeline, layout, spec.seed, int(e), indices[sel])
+        [batch] = batched(iter([chunk]), len(chunk))
+        out[sel] = batch_digests(batch)
+    return out
+
+
+def _reference_eval(spec: DataSpec) -> tuple[np.ndarray, np.ndarray]:
+    pipeline = make_pipeline(spec)
+    held = holdout_split(len(pipeline), spec.holdout)[1]
+    layout = probe(pipeline, spec.seed, held, spec.ragged, 1, "eval").layout
+    [batch] = batched(iter([eval_chunk(pipeline, layout, spec.seed, held)]), len(held))
+    return batch.indices.numpy(), batch_digests(batch)
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_user_pipelines_share_exact_epochs_with_the_unshared_bytes(ray_session, tmp_path, name):
+    spec = _spec(name)
+    searcher = CoordinatedSearcher(pool=PoolSpec(actors=2))
+    analysis = tune.run(tune.with_resources(record_any, {"cpu": 0.25}),
+                        config={"data": spec, "batch_size": tune.grid_search([8, 12]), "out": str(tmp_path)},
+                        search_alg=searcher, verbose=0)
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    [report] = searcher.group_reports().values()
+    searcher.close()
+    pipeline = make_pipeline(spec)
+    train = train_indices(len(pipeline), spec.holdout)
+    want_eval = _reference_eval(spec)
+    served = 0
+    for trial in analysis.trials:
+        out = os.path.join(str(tmp_path), trial.trial_id)
+        epochs = [np.load(os.path.join(out, f"epoch{e}.npz")) for e in range(EPOCHS)]
+        assert_exactly_once([e["arr_0"] for e in epochs], train, f"{name} {trial.trial_id}")
+        for e in epochs:
+            assert np.array_equal(e["arr_2"], _reference(spec, e["arr_1"], e["arr_0"])), \
+                f"{name}: shared bytes differ from the unshared pipeline's"
+            served += len(e["arr_0"])
+        for k in range(EPOCHS):
+            held = np.load(os.path.join(out, f"eval{k}.npz"))
+            assert np.array_equal(held["arr_0"], want_eval[0]) and np.array_equal(held["arr_1"], want_eval[1])
+    assert report["samples_served"] == served and report["samples_prepared"] < served, report
+    assert report["prep_actors"] == 2 and report["pieces_prepared"] >= 2, report
+    assert live_coordprep_actors() == []
+
+
+def test_a_transform_that_cannot_be_seeded_fails_the_trials_start_with_the_reason(ray_session, tmp_path):
+    from tests.test_datasets import OwnGenerator
+
+    spec = _spec("cifar_v2", transform=v2.Compose([v2.ToImage(), OwnGenerator()]))
+    searcher = CoordinatedSearcher()
+    analysis = tune.run(tune.with_resources(record_any, {"cpu": 0.25}),
+                        config={"data": spec, "batch_size": 8, "out": str(tmp_path)}, search_alg=searcher,
+                        verbose=0, raise_on_failed_trial=False)
+    searcher.close()
+    [trial] = analysis.trials
+    assert trial.status == "ERROR"
+    with open(trial.error_file) as f:
+        assert "other values when prepared twice from the same seed" in f.read()
+
+
+def test_a_sample_too_big_for_the_staging_budget_is_refused_naming_the_fix(ray_session, tmp_path):
+    spec = _spec("cifar_v2", staging_bytes=4096)  # a piece of 16 float32 3 x 32 x 32 samples is ~196 kB
+    searcher = CoordinatedSearcher()
+    analysis = tune.run(tune.with_resources(record_any, {"cpu": 0.25}),
+                        config={"data": spec, "batch_size": 8, "out": str(tmp_path)}, search_alg=searcher,
+                        verbose=0, raise_on_failed_trial=False)
+    searcher.close()
+    [trial] = analysis.trials
+    with open(trial.error_file) as f:
+        text = f.read()
+    assert "more than the group's staging budget" in text and "lower data.chunk_size" in text, text[-2000:]
