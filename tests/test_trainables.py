@@ -37,7 +37,7 @@ def test_resnet18_width_is_configurable():
     narrow, full = resnet.build(10, {"width": 16}), resnet.build(10, {})
     assert narrow(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
     assert sum(p.numel() for p in narrow.parameters()) < sum(p.numel() for p in full.parameters()) / 10
-    assert set(REGISTRY) == {"small_cnn", "resnet18"}
+    assert set(REGISTRY) == {"small_cnn", "resnet18", "cifar_cnn", "seg_unet", "audio_cnn"}
 
 
 def test_small_cnn_learns_builtin_shapes_well_above_chance():
