@@ -14,7 +14,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset, default_collate
 from torchvision import tv_tensors
-from torchvision.transforms import v2
 
 from trainables import audio, cifar, loop, segmentation
 from trainables.common import make_optimizer

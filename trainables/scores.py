@@ -18,7 +18,11 @@ class Scores(Protocol):
 
 
 class Accuracy:
-    """Classification: ``accuracy``, the share of samples whose arg-max logit is the label."""
+    """Classification: ``accuracy``, the share of samples whose arg-max logit is the label.
+
+    Args:
+        num_classes: Not needed here; taken so that every :class:`Scores` is built the same way.
+    """
 
     def __init__(self, num_classes: int) -> None:
         self.correct = self.total = 0
