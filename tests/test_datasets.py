@@ -135,3 +135,23 @@ def test_torchvision_exclusions_hold():
     with pytest.raises(StructureError, match=r"not an \(input, target\) pair"):
         list(train_loader(DataSpec(dataset=ArrayDataset(np.zeros((8, 2))), target_transform=int, coordinated=False,
                                    holdout=0.0), 4, epochs=1, num_workers=0))
+
+
+def test_views_of_a_user_pipeline_read_once_and_draw_each_view_anew():
+    spec = DataSpec(dataset=images(), transform=AUGMENT, coordinated=False, holdout=0.0, chunk_size=16, views=2)
+    batches = list(train_loader(spec, 16, epochs=1, num_workers=0))
+    ids = np.concatenate([b.indices.numpy() for b in batches])
+    repeats = np.concatenate([b.repeats.numpy() for b in batches])
+    assert_exactly_once([ids[repeats == 0], ids[repeats > 0]], range(96))
+    digests = np.concatenate([batch_digests(b) for b in batches])
+    first = dict(zip(ids[repeats == 0].tolist(), digests[repeats == 0].tolist()))
+    assert sum(first[i] != d for i, d in zip(ids[repeats > 0].tolist(), digests[repeats > 0].tolist())) > 90
+
+
+def test_pin_memory_without_an_accelerator_warns_and_serves_as_before():
+    spec = DataSpec(dataset=images(), coordinated=False, holdout=0.0)
+    if torch.cuda.is_available():
+        pytest.skip("an accelerator is present: pinning is used")
+    with pytest.warns(UserWarning, match="pin_memory=True, but no accelerator"):
+        loader = train_loader(spec, 32, epochs=1, num_workers=0, pin_memory=True)
+    assert sum(len(b) for b in loader) == 96

@@ -103,6 +103,10 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
     torch.manual_seed(int(config.get("model_seed", 0)))  # reproducible initialisation per trial
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     spec = resolve_spec(config)
+    if spec.user_transforms:
+        raise ConfigError(f"trainable {getattr(build, '__module__', 'fit')}: trains the built-in image pipeline (uint8 "
+                          "images of a builtin or directory dataset, normalised here); with your own dataset or "
+                          "transforms use trainables.loop.fit_task, as cifar_cnn, seg_unet and audio_cnn do")
     cap_gpu_memory(config.get("gpu_memory_fraction"))  # gpu: auto's share: an overrun fails here, not next door
     model = apply_memory(build(len(open_source(spec.dataset).classes), config).to(device), config.get("memory"))
     optimizer = make_optimizer(model, config)

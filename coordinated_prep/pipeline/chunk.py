@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Literal, NamedTuple, Sequence
+from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import numpy as np
 
 from coordinated_prep.errors import SampleError, StructureError
+from coordinated_prep.pipeline.seeding import preserved
 from coordinated_prep.pipeline.structure import LeafSpec, Layout
 from coordinated_prep.readonly import padded_base, padded_empty
 
@@ -101,8 +102,9 @@ def _storage(dtype: str) -> np.dtype:
 
 
 def stack(layout: Layout, rows: Sequence[Sequence[Any]], indices: np.ndarray, epoch: int,
-          views: int = 1) -> PreparedChunk:
-    """One piece of ``rows`` (each a sample's leaves, checked by :meth:`Layout.check`), padded."""
+          views: int = 1, alloc: Callable[[int], np.ndarray] | None = None) -> PreparedChunk:
+    """One piece of ``rows`` (each a sample's leaves, checked by :meth:`Layout.check`), in a padded
+    buffer, or in the uint8 buffer ``alloc(nbytes)`` returns (shared memory for a worker)."""
     n = len(rows)
     plan: list[tuple] = []
     total = 0
@@ -120,7 +122,7 @@ def stack(layout: Layout, rows: Sequence[Sequence[Any]], indices: np.ndarray, ep
             nbytes = int(offsets[-1])
             plan.append((spec, (total, nbytes, offsets, tuple(rows[i][j].shape for i in range(n)))))
         total += -(-nbytes // _ALIGN) * _ALIGN
-    buffer = padded_empty((total,))
+    buffer = padded_empty((total,)) if alloc is None else alloc(total)
     meta: list[Any] = []
     for j, (spec, where) in enumerate(plan):
         if spec.kind == "object":
@@ -168,14 +170,15 @@ class ChunkTiming(NamedTuple):
 
 def prepare_chunk(
     pipeline: Any, layout: Layout, seed: int, epoch: int, indices: np.ndarray,
-    on_error: Literal["raise", "skip"] = "raise", views: int = 1,
+    on_error: Literal["raise", "skip"] = "raise", views: int = 1, alloc: Callable[[int], np.ndarray] | None = None,
 ) -> tuple[PreparedChunk, ChunkTiming]:
     """Read, decode and transform the samples ``indices`` for stream epoch ``epoch``.
 
     All samples are read first (the fetch stage), then transformed: in one call for a pipeline with
     ``train_batch`` (DALI), else one by one. With ``views`` = k > 1 each sample is read once and
     transformed k times (view ``v`` drawn from seed, epoch, index and ``v``; view 0 is the draw of
-    ``views=1``), laid view-major. With ``on_error="skip"`` a sample that cannot be read, decoded
+    ``views=1``), laid view-major (into ``alloc``'s buffer, if given: see :func:`stack`). With
+    ``on_error="skip"`` a sample that cannot be read, decoded
     or transformed is left out of the piece (so every trial reading the piece leaves it out alike)
     and reported in the timing's ``skipped``; a failed batch is retried sample by sample to find
     the culprit.
@@ -186,6 +189,12 @@ def prepare_chunk(
         StructureError: A sample's structure differs from the layout's (always raised: no sample
             of the pipeline can be trusted then).
     """
+    with preserved():  # the global generators are saved once per piece, not per sample
+        return _prepare(pipeline, layout, seed, epoch, indices, on_error, views, alloc)
+
+
+def _prepare(pipeline: Any, layout: Layout, seed: int, epoch: int, indices: np.ndarray, on_error: str, views: int,
+             alloc: Callable[[int], np.ndarray] | None) -> tuple[PreparedChunk, ChunkTiming]:
     skipped: list[tuple[int, str, str]] = []
     t0 = time.perf_counter()
     ids = [int(i) for i in indices]
@@ -228,7 +237,7 @@ def prepare_chunk(
             kept.append(index)
     where = "data"
     rows = [layout.check(sample, kept[k], where) for v in range(views) for k, sample in enumerate(per_view[v])]
-    chunk = stack(layout, rows, np.tile(np.asarray(kept, dtype=np.int64), views), epoch, views)
+    chunk = stack(layout, rows, np.tile(np.asarray(kept, dtype=np.int64), views), epoch, views, alloc)
     return chunk, ChunkTiming(t1 - t0, time.perf_counter() - t1, tuple(skipped))
 
 

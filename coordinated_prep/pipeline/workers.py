@@ -36,18 +36,25 @@ class _Pieces:
         if self._pipeline is None:
             self._pipeline = make_pipeline(self.spec)
         epoch, _ = self.plan.locate(g)
+        shared = _SharedBuffer()
         try:
             chunk, _ = prepare_chunk(self._pipeline, self.layout, self.spec.seed, epoch, self.plan.chunk_samples(g),
-                                     self.spec.on_error, self.spec.views)
+                                     self.spec.on_error, self.spec.views, alloc=shared)
         except CoordinatedPrepError as e:  # shipped as a value: the DataLoader would re-raise a RuntimeError
             return (e,)
-        return _ship(chunk)
+        return (shared.tensor, chunk.layout, chunk._meta, chunk.indices, chunk.epoch, chunk.views)
 
 
-def _ship(chunk: PreparedChunk) -> tuple:
-    import torch
+class _SharedBuffer:
+    """Allocates a piece's buffer in shared memory, so that shipping it copies nothing."""
 
-    return (torch.from_numpy(chunk.buffer), chunk.layout, chunk._meta, chunk.indices, chunk.epoch, chunk.views)
+    tensor: Any = None
+
+    def __call__(self, nbytes: int) -> np.ndarray:
+        import torch
+
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+        return self.tensor.numpy()
 
 
 def _land(shipped: tuple) -> PreparedChunk:
