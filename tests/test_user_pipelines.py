@@ -127,10 +127,8 @@ def test_user_pipelines_share_exact_epochs_with_the_unshared_bytes(ray_session, 
     assert live_coordprep_actors() == []
 
 
-def test_a_transform_that_cannot_be_seeded_fails_the_trials_start_with_the_reason(ray_session, tmp_path):
-    from tests.test_datasets import OwnGenerator
-
-    spec = _spec("cifar_v2", transform=v2.Compose([v2.ToImage(), OwnGenerator()]))
+def _failed_trial_error(spec: DataSpec, tmp_path) -> str:
+    """The error file of the one trial of a sweep over ``spec`` that must fail."""
     searcher = CoordinatedSearcher()
     analysis = tune.run(tune.with_resources(record_any, {"cpu": 0.25}),
                         config={"data": spec, "batch_size": 8, "out": str(tmp_path)}, search_alg=searcher,
@@ -139,17 +137,16 @@ def test_a_transform_that_cannot_be_seeded_fails_the_trials_start_with_the_reaso
     [trial] = analysis.trials
     assert trial.status == "ERROR"
     with open(trial.error_file) as f:
-        assert "other values when prepared twice from the same seed" in f.read()
+        return f.read()
+
+
+def test_a_transform_that_cannot_be_seeded_fails_the_trials_start_with_the_reason(ray_session, tmp_path):
+    from tests.test_datasets import OwnGenerator
+
+    text = _failed_trial_error(_spec("cifar_v2", transform=v2.Compose([v2.ToImage(), OwnGenerator()])), tmp_path)
+    assert "other values when prepared twice from the same seed" in text, text[-2000:]
 
 
 def test_a_sample_too_big_for_the_staging_budget_is_refused_naming_the_fix(ray_session, tmp_path):
-    spec = _spec("cifar_v2", staging_bytes=4096)  # a piece of 16 float32 3 x 32 x 32 samples is ~196 kB
-    searcher = CoordinatedSearcher()
-    analysis = tune.run(tune.with_resources(record_any, {"cpu": 0.25}),
-                        config={"data": spec, "batch_size": 8, "out": str(tmp_path)}, search_alg=searcher,
-                        verbose=0, raise_on_failed_trial=False)
-    searcher.close()
-    [trial] = analysis.trials
-    with open(trial.error_file) as f:
-        text = f.read()
+    text = _failed_trial_error(_spec("cifar_v2", staging_bytes=4096), tmp_path)  # a piece of 16 float 32 px: ~196 kB
     assert "more than the group's staging budget" in text and "lower data.chunk_size" in text, text[-2000:]

@@ -90,6 +90,9 @@ def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, s
         raise ConfigError(f"analyze: --run-samples={run_samples} must be at least 2 (the first batch is start-up)")
     cores = cores or os.cpu_count() or 1
     spec = cfg.data
+    if spec.user_transforms:
+        raise ConfigError(f"analyze: {cfg.path} brings its own dataset or transforms; analyze models the built-in image "
+                          "pipeline (read, decode, crop) of a builtin or directory dataset: run it on such a sweep")
     source = open_source(spec.dataset)
     paths = getattr(source, "paths", None)
     if paths is None:

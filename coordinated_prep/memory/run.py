@@ -26,6 +26,9 @@ def sweep_configs(cfg: SweepConfig) -> list[MemoryConfig]:
     if cfg.trainable not in MODELS:
         raise ConfigError(f"trainable={cfg.trainable!r}: coordprep memory measures the registered trainables' "
                           f"models only ({sorted(MODELS)})")
+    if cfg.data.user_transforms:
+        raise ConfigError(f"memory: {cfg.path} brings its own dataset or transforms, whose input shape the measured "
+                          "models (small_cnn, resnet18: 3 x size x size images) do not know; measure a sweep of those")
     return memory_configs(cfg.trainable, dict(cfg.search_space), cfg.data.pipeline.size)  # type: ignore[union-attr]
 
 
