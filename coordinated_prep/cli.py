@@ -233,7 +233,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     rows = run_bench(cfg, progress)
     out = args.out or os.path.join(cfg.storage_path, cfg.name)
-    paths = write_outputs(rows, out, f"coordprep bench ({machine}; batch {cfg.batch_size}, {cfg.size} px crops)")
+    pipeline = f"{cfg.size} px crops" if cfg.transform is None else f"transform {cfg.transform.factory}"
+    paths = write_outputs(rows, out, f"coordprep bench ({machine}; batch {cfg.batch_size}, {pipeline})")
     sys.stdout.write("\n" + format_rows(rows) + f"\n\nMachine: {machine}\nWritten: {paths['csv']} and {paths['png']}\n")
     return 0
 

@@ -116,6 +116,53 @@ def test_bad_bench_files_name_the_key(tmp_path, text, named):
     assert str(path) in str(e.value)
 
 
+def test_the_shipped_user_pipeline_bench_runs_its_factory_in_both_loaders():
+    from coordinated_prep.bench.run import data_spec
+    from coordinated_prep.pipeline import Factory
+
+    cfg = load_bench("experiments/bench-v2.yaml")
+    assert cfg.transform == Factory("trainables.data.photos:train_transform",
+                                    {"size": 224, "jitter": 0.4, "normalize": True})
+    assert cfg.trials == (1, 4, 8) and cfg.loaders == ("dataloader", "coordinated-torchvision")
+    assert (cfg.simulated_step_ms, cfg.epochs, cfg.record_trials) == (5, 3, ())
+    shared, private = data_spec(cfg, "coordinated-torchvision"), data_spec(cfg, "dataloader")
+    assert shared.transform == private.transform == cfg.transform and shared.user_transforms
+    assert shared.coordinated and not private.coordinated
+    import torch
+    from torchvision import tv_tensors
+
+    image = tv_tensors.Image(torch.randint(0, 256, (3, 375, 500), dtype=torch.uint8))
+    out = cfg.transform.build()(image)  # what each prepared sample holds: float, normalised, 224 px
+    assert out.shape == (3, 224, 224) and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("loaders, record_loaders", [("[dataloader, dali]", "[dataloader]"),
+                                                     ("[coordinated-dali]", "[dataloader]"),
+                                                     ("[dataloader]", "[coordinated-dali]")])
+def test_a_user_transform_with_a_dali_loader_is_refused(tmp_path, loaders, record_loaders):
+    path = tmp_path / "b.yaml"
+    path.write_text(textwrap.dedent(f"""
+        transform: {{factory: "trainables.data.photos:train_transform"}}
+        loaders: {loaders}
+        record_loaders: {record_loaders}
+    """))
+    with pytest.raises(ConfigError, match=r"bench.transform=.*cannot run in the DALI loaders") as e:
+        load_bench(str(path))
+    assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("transform, named", [("trainables.data.photos:train_transform", "must be {factory"),
+                                              ("{factory: nowhere.at_all:fn}", "does not import"),
+                                              ("{factory: 'trainables.data.photos:train_transform', size: 3}",
+                                               "keys 'factory'")])
+def test_a_bad_bench_transform_names_the_key(tmp_path, transform, named):
+    path = tmp_path / "b.yaml"
+    path.write_text(f"transform: {transform}\nloaders: [dataloader]\n")
+    with pytest.raises(ConfigError, match=named) as e:
+        load_bench(str(path))
+    assert "bench.transform" in str(e.value) or "factory" in str(e.value)
+
+
 def test_defaults_are_valid():
     assert BenchConfig().loaders[0] == "dataloader"
 

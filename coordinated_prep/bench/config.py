@@ -45,7 +45,13 @@ class BenchConfig:
         cores: CPU cores for preparation (default: the machine's); independent loaders split them
             evenly over the trials (at least one worker each), coordinated ones run one prep actor
             per core.
-        object_store_mb: Ray object store size.
+        object_store_mb: Ray object store size (the coordinated loaders stage in a quarter of it).
+        transform: A user pipeline in place of the built-in crop and flip: a factory mapping
+            (``{factory: "pkg.mod:fn", args: {...}}``) or a :class:`~coordinated_prep.pipeline.Factory`
+            building a torchvision-style transform of the decoded ``tv_tensors.Image`` uint8 (3, H, W).
+            The coordinated loader gets it as ``DataSpec(transform=...)``, the per-trial DataLoader
+            builds the same factory over the decoded images; ``size`` is then the transform's business.
+            The DALI loaders cannot run it: None (the built-in pipeline) for them.
     """
 
     name: str = "bench"
@@ -65,6 +71,7 @@ class BenchConfig:
     record_loaders: tuple[str, ...] = ("dataloader", "coordinated-torchvision")
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
     object_store_mb: int = 2048
+    transform: Any = None
 
     def __post_init__(self) -> None:
         for name in ("size", "batch_size", "epochs", "cores", "object_store_mb"):
@@ -89,6 +96,24 @@ class BenchConfig:
                 raise ConfigError(f"bench.{name}: {bad or 'empty'} not allowed; choose from {list(allowed)}{hint}")
         if not self.simulated_step_ms > 0:
             raise ConfigError(f"bench.simulated_step_ms={self.simulated_step_ms!r} must be positive")
+        self._check_transform()
+
+    def _check_transform(self) -> None:
+        """A factory from its mapping; the DALI loaders, which cannot run a user transform, refused with it."""
+        from coordinated_prep.pipeline.datasets import Factory
+
+        if self.transform is None:
+            return
+        if isinstance(self.transform, Mapping):
+            object.__setattr__(self, "transform", Factory.from_mapping(self.transform, "bench.transform"))
+        elif not isinstance(self.transform, Factory):
+            raise ConfigError(f"bench.transform={self.transform!r} must be {{factory: 'pkg.mod:fn', args: {{...}}}} "
+                              "(a Factory in Python), importable in the Ray workers")
+        dali = [v for v in (*self.loaders, *(self.record_loaders if self.record_trials else ())) if "dali" in v]
+        if dali:
+            raise ConfigError(f"bench.transform={self.transform.factory!r} cannot run in the DALI loaders "
+                              f"{sorted(set(dali))} (they run DALI's own crop and flip); drop them from loaders and "
+                              "record_loaders, or drop transform to compare all four on the built-in pipeline")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], where: str = "bench") -> "BenchConfig":

@@ -35,10 +35,15 @@ logger = logging.getLogger(__name__)
 
 
 def data_spec(cfg: BenchConfig, loader: str, dataset: str | None = None) -> DataSpec:
-    """The DataSpec of ``loader``: the same data and augmentation for all four (``dataset``: another copy)."""
+    """The DataSpec of ``loader``: the same data and augmentation for all four (``dataset``: another copy);
+    with ``cfg.transform``, that user pipeline in place of the built-in crop and flip."""
+    coordinated = loader.startswith("coordinated")
+    if cfg.transform is not None:
+        return DataSpec(dataset=dataset or cfg.dataset, transform=cfg.transform, seed=0, coordinated=coordinated,
+                        segments=4)
     backend = "dali" if loader.endswith("dali") else "torchvision"
     return DataSpec(dataset=dataset or cfg.dataset, pipeline={"size": cfg.size, "backend": backend}, seed=0,
-                    coordinated=loader.startswith("coordinated"), segments=4)
+                    coordinated=coordinated, segments=4)
 
 
 def run_bench(cfg: BenchConfig, progress: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
@@ -102,20 +107,20 @@ def decode_bound(cfg: BenchConfig, source: ImageFolderSource, train_ids: Any, sa
     machine's cores can prepare: the coordinated loaders' unique rates are compared with it."""
     import torch
 
-    from coordinated_prep.pipeline.backends import make_preprocessor
+    from coordinated_prep.pipeline.transforms import make_pipeline
 
-    spec = data_spec(cfg, "coordinated-torchvision")
-    prep = make_preprocessor(spec.pipeline)  # type: ignore[arg-type]
+    # the prep actors' own path: the built-in backend, or decoding and the user's transform seeded per sample
+    pipeline = make_pipeline(data_spec(cfg, "coordinated-torchvision"), source)
     ids = [int(i) for i in train_ids[:samples]]
     blobs = [source.read(i) for i in ids]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for i, blob in zip(ids[:8], blobs):  # warm-up
-            prep.train(blob, 0, 0, i)
+            pipeline.train(blob, 0, 0, i, 1)
         cpu = time.process_time()
         for i, blob in zip(ids, blobs):
-            prep.train(blob, 0, 0, i)
+            pipeline.train(blob, 0, 0, i, 1)
         ms = 1000 * (time.process_time() - cpu) / len(ids)
     finally:
         torch.set_num_threads(threads)

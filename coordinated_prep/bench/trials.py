@@ -6,7 +6,9 @@ pipeline with its own file reader and random crop. Both apply the same augmentat
 resized crop to ``size``, horizontal flip) to the same JPEGs as the coordinated loaders. On the
 Parquet copy of the dataset the DataLoader reads through the same ``ParquetSource`` as the
 coordinated loaders (its forked workers open their own shard handles); DALI's file reader has no
-Parquet counterpart, so per-trial DALI runs on the raw files only.
+Parquet counterpart, so per-trial DALI runs on the raw files only. With a user transform (a
+factory in the spec), the DataLoader's dataset decodes each image as the coordinated loader does
+(:class:`~coordinated_prep.pipeline.datasets.EncodedImages`) and applies the same factory's transform.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 
 from coordinated_prep.pipeline.backends import make_preprocessor
+from coordinated_prep.pipeline.datasets import EncodedImages, build
 from coordinated_prep.plan import holdout_split
 from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.spec import DataSpec
@@ -136,7 +139,10 @@ def _loader(kind: str, config: Mapping[str, Any], spec: DataSpec, batch: int, ep
     source = open_source(spec.dataset)
     train_ids, _ = holdout_split(len(source), spec.holdout)
     if kind == "dataloader":
-        dataset = _FileDataset(source, make_preprocessor(spec.pipeline), train_ids, spec.seed)  # type: ignore[arg-type]
+        if spec.transform is not None:  # the user pipeline, built from the same factory as the prep actors'
+            dataset: Any = _Transformed(EncodedImages(source), build(spec.transform), train_ids)
+        else:
+            dataset = _FileDataset(source, make_preprocessor(spec.pipeline), train_ids, spec.seed)  # type: ignore[arg-type]
         generator = torch.Generator().manual_seed(int(config.get("trial_index", 0)))
         return torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=workers,
                                            generator=generator, persistent_workers=False)
@@ -170,6 +176,24 @@ class _FileDataset(torch.utils.data.Dataset):
     def __getitem__(self, k: int) -> tuple[torch.Tensor, int]:
         i = int(self.ids[k])
         return torch.from_numpy(self.preprocessor.train(self.source.read(i), self.seed, 0, i)), int(self.source.labels[i])
+
+
+class _Transformed(torch.utils.data.Dataset):
+    """Map-style dataset as a user writes one: read and decode the image, apply the transform.
+
+    The transform draws from each DataLoader worker's own seeded generator (no per-sample
+    reseeding: what a user's loop does, and no cost the coordinated loader's seeding adds).
+    """
+
+    def __init__(self, images: EncodedImages, transform: Any, ids: np.ndarray) -> None:
+        self.images, self.transform, self.ids = images, transform, ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, k: int) -> tuple[Any, int]:
+        image, label = self.images[int(self.ids[k])]
+        return self.transform(image), label
 
 
 class _DaliReader:
