@@ -102,5 +102,5 @@ def image_chunk(source, preprocessor, seed, epoch, indices, size, on_error="rais
     from coordinated_prep.pipeline.chunk import image_layout, prepare_chunk
     from coordinated_prep.pipeline.transforms import ImagePipeline
 
-    return prepare_chunk(ImagePipeline(source, preprocessor), image_layout((3, size, size)), seed, epoch,
+    return prepare_chunk(ImagePipeline(source, preprocessor, size), image_layout((3, size, size)), seed, epoch,
                          np.asarray(indices), on_error, views)

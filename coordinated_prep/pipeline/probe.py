@@ -1,7 +1,8 @@
 """A group's start: the layout of its samples, and the refusal of transforms that cannot be seeded.
 
-The first few training samples (or held-out ones, for evaluation) are prepared with epoch 0's draws,
-and, for a pipeline of the user's, prepared a second time from the same key: a transform drawing from
+The built-in image pipeline's layout is known (uint8 crops and int labels). For a pipeline of the
+user's, the first few training samples (or held-out ones, for evaluation) are prepared with epoch 0's
+draws, and prepared a second time from the same key: a transform drawing from
 a generator the library does not seed (``np.random.default_rng()``, a ``torch.Generator`` of its
 own) gives other bytes the second time, and would give each trial of a group other bytes than its
 unshared run, so the group refuses it. The samples' shapes decide which leaves are stacked and
@@ -15,6 +16,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from coordinated_prep.errors import ConfigError, SampleError, StructureError
+from coordinated_prep.pipeline.chunk import image_layout
 from coordinated_prep.pipeline.structure import Layout, flatten, make_layout, to_array
 from coordinated_prep.pipeline.transforms import ImagePipeline, Pipeline
 
@@ -37,24 +39,28 @@ def probe(pipeline: Pipeline, seed: int, indices: Sequence[int], ragged: Sequenc
         StructureError: The samples differ in structure, or hold a leaf no batch can.
         SampleError: None of the first samples could be read or prepared (the first error).
     """
+    if isinstance(pipeline, ImagePipeline):  # its layout is known: reading samples would only cost reads
+        layout = image_layout((3, pipeline.size, pipeline.size))
+        return Probe(layout, views * layout.sample_bytes())
     ids = [int(i) for i in indices[:PROBED]]
-    twice = not isinstance(pipeline, ImagePipeline)
+    if not ids and mode == "eval":  # nothing held out: no piece will need a layout
+        return Probe(image_layout((0,)), 1)
     first = _prepared(pipeline, seed, ids, mode)
     if not first:
         raise ConfigError(f"{where}: no samples to probe (empty {'training' if mode == 'train' else 'held-out'} split)")
     if all(isinstance(s, SampleError) for _, s in first):
         raise first[0][1]
-    if twice:
-        second = dict(_prepared(pipeline, seed, [i for i, s in first if not isinstance(s, SampleError)], mode))
-        for index, sample in first:
-            if not isinstance(sample, SampleError) and not _equal(sample, second[index]):
-                raise ConfigError(
-                    f"{where}: the {'training' if mode == 'train' else 'evaluation'} pipeline gave sample {index} other "
-                    "values when prepared twice from the same seed, so trials sharing it would not see what they "
-                    "would see alone. Its randomness comes from a generator this library cannot seed (its own "
-                    "np.random.default_rng(), random.Random() or torch.Generator). Draw from the global generators "
-                    "instead (np.random.*, random.*, torch.rand*: seeded per sample and epoch around each call), as "
-                    "transforms.v2 does")
+    # a pipeline of the user's: prepared twice
+    second = dict(_prepared(pipeline, seed, [i for i, s in first if not isinstance(s, SampleError)], mode))
+    for index, sample in first:
+        if not isinstance(sample, SampleError) and not _equal(sample, second[index]):
+            raise ConfigError(
+                f"{where}: the {'training' if mode == 'train' else 'evaluation'} pipeline gave sample {index} other "
+                "values when prepared twice from the same seed, so trials sharing it would not see what they "
+                "would see alone. Its randomness comes from a generator this library cannot seed (its own "
+                "np.random.default_rng(), random.Random() or torch.Generator). Draw from the global generators "
+                "instead (np.random.*, random.*, torch.rand*: seeded per sample and epoch around each call), as "
+                "transforms.v2 does")
     samples = [s for _, s in first if not isinstance(s, SampleError)]
     layout = make_layout(samples, ragged, where)
     return Probe(layout, views * layout.sample_bytes(samples))

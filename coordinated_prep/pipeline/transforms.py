@@ -55,11 +55,13 @@ class ImagePipeline:
     Args:
         source: The opened source (or its node-cache wrapper).
         preprocessor: The backend (:func:`coordinated_prep.pipeline.backends.make_preprocessor`).
+        size: The side of its square crops.
     """
 
-    def __init__(self, source: Any, preprocessor: Any) -> None:
+    def __init__(self, source: Any, preprocessor: Any, size: int) -> None:
         self.source = source
         self.preprocessor = preprocessor
+        self.size = size
         self.train_batch = self._train_batch if hasattr(preprocessor, "train_batch") else None
 
     def __len__(self) -> int:
@@ -202,7 +204,7 @@ def make_pipeline(spec: Any, source: Any = None) -> Pipeline:
     if isinstance(spec.dataset, str):
         source = source if source is not None else open_source(spec.dataset)
         if not spec.user_transforms:
-            return ImagePipeline(source, make_preprocessor(spec.pipeline))
+            return ImagePipeline(source, make_preprocessor(spec.pipeline), spec.pipeline.size)
         dataset: Any = EncodedImages(source)
     else:
         dataset = build(spec.dataset)
