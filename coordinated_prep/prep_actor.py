@@ -17,6 +17,7 @@ from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.pipeline.structure import Layout
 from coordinated_prep.pipeline.transforms import Pipeline, make_pipeline
 from coordinated_prep.plan import holdout_split
+from coordinated_prep.readonly import padded_empty
 from coordinated_prep.spec import DataSpec
 
 _KEPT = 16  # pipelines kept open per actor (a sweep has a few)
@@ -51,6 +52,7 @@ class PrepActor:
         self._cache = cache
         self._pipelines: dict[str, Pipeline] = {}
         self._specs: dict[str, DataSpec] = {}
+        self._buffer = ReusedBuffer()
 
     def probe(self, spec: DataSpec, mode: str = "train") -> tuple[int, Probe]:
         """A group's start: (samples in the dataset, the layout and bytes of its training or
@@ -71,7 +73,8 @@ class PrepActor:
         spec = self._specs[key]
         cached = getattr(pipeline, "cached", None)
         reads, hits = (cached.storage_reads, cached.cache_hits) if cached else (0, 0)
-        chunk, timing = prepare_chunk(pipeline, layout, spec.seed, epoch, indices, spec.on_error, spec.views)
+        chunk, timing = prepare_chunk(pipeline, layout, spec.seed, epoch, indices, spec.on_error, spec.views,
+                                      alloc=self._buffer)
         # The put stage (serialising into the object store) happens after this returns; the
         # coordinator measures it as the time from here until it learns the task finished.
         if cached is not None:
@@ -123,3 +126,20 @@ class PrepActor:
             pipeline.cached = cached  # type: ignore[attr-defined]
             self._pipelines[key], self._specs[key] = pipeline, spec
         return self._pipelines[key]
+
+
+class ReusedBuffer:
+    """The padded buffer of the last piece, reused for the next piece of the same size.
+
+    Ray copies a task's returned piece into the object store before this actor (one task at a
+    time) starts its next task, so the buffer is free again then; reusing it spares the page faults
+    of fresh memory (a 224 px float piece is 154 MB: ~38,000 pages touched anew per piece).
+    """
+
+    def __init__(self) -> None:
+        self._buffer: np.ndarray | None = None
+
+    def __call__(self, nbytes: int) -> np.ndarray:
+        if self._buffer is None or self._buffer.nbytes != nbytes:
+            self._buffer = padded_empty((nbytes,))
+        return self._buffer

@@ -75,8 +75,22 @@ class _Coordinator:
         return "same index"
 
 
+class _PrepActor:
+    """A fake prep actor: its probe answers at once with the built-in pipeline's layout."""
+
+    @staticmethod
+    async def _probe(spec: DataSpec, mode: str = "train") -> Any:
+        from coordinated_prep.pipeline.chunk import image_layout
+        from coordinated_prep.pipeline.probe import Probe
+
+        layout = image_layout((3, spec.pipeline.size, spec.pipeline.size))
+        return 100, Probe(layout, layout.sample_bytes())
+
+    probe = _Method(_probe)
+
+
 class _Pool:
-    node, actors, budget_bytes, reserved_cpus = NODE, ["prep actor"], 10**9, 1.0
+    node, actors, budget_bytes, reserved_cpus = NODE, [_PrepActor()], 10**9, 1.0
 
 
 @pytest.fixture
