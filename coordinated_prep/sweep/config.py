@@ -10,6 +10,10 @@ Schema (every key but ``trainable`` and ``search_space`` is optional)::
       seed: 0
       coordinated: true              # false: each trial prepares its own data (the baseline)
       pipeline: {size: 64, scale: [0.35, 1.0], hflip: 0.5}
+      # or your own dataset and transforms, by import path (docs/pipelines.md):
+      # dataset: {factory: "trainables.data.cifar:make", args: {n: 3000}}
+      # transform: {factory: "trainables.data.cifar:train_transform"}   # also target_transform,
+      #   transforms (input and target together), eval_transform, eval_transforms, ragged: [1.boxes]
     search_space:                    # constants, or one distribution per key
       lr: {loguniform: [0.01, 0.3]}
       batch_size: {choice: [32, 64]}
