@@ -53,6 +53,7 @@ class PrepActor:
         self._pipelines: dict[str, Pipeline] = {}
         self._specs: dict[str, DataSpec] = {}
         self._buffer = ReusedBuffer()
+        self._sources: dict[str, tuple[Any, CachedSource | None]] = {}
 
     def probe(self, spec: DataSpec, mode: str = "train") -> tuple[int, Probe]:
         """A group's start: (samples in the dataset, the layout and bytes of its training or
@@ -119,13 +120,22 @@ class PrepActor:
                 del self._pipelines[oldest], self._specs[oldest]
             source = cached = None
             if isinstance(spec.dataset, str):
-                source = open_source(spec.dataset)
-                if self._cache is not None:
-                    source = cached = CachedSource(source, spec.dataset, *self._cache)
+                source, cached = self._source(spec.dataset)
             pipeline = make_pipeline(spec, source)
             pipeline.cached = cached  # type: ignore[attr-defined]
             self._pipelines[key], self._specs[key] = pipeline, spec
         return self._pipelines[key]
+
+    def _source(self, dataset: str) -> tuple[Any, CachedSource | None]:
+        """A directory or built-in dataset, opened once per actor and shared by its groups (one
+        node-cache reader, whose snapshot serves every group of the dataset without calls)."""
+        if dataset not in self._sources:
+            if len(self._sources) >= _KEPT:
+                del self._sources[next(iter(self._sources))]
+            source = open_source(dataset)
+            cached = CachedSource(source, dataset, *self._cache) if self._cache is not None else None
+            self._sources[dataset] = (cached or source, cached)
+        return self._sources[dataset]
 
 
 class ReusedBuffer:
