@@ -131,7 +131,8 @@ class Coordinator:
             "samples_per_epoch": self.plan.samples_per_epoch, "chunks_per_epoch": self.plan.chunks_per_epoch,
             "pieces_prepared": 0, "samples_prepared": 0, "samples_served": 0, "pieces_failed": 0,
             "fetch_s": 0.0, "transform_s": 0.0, "put_s": 0.0, "prep_cpu_s": 0.0, "trials_joined": 0, "evictions": 0,
-            "samples_skipped": 0, "storage_reads": 0, "cache_hits": 0, "node": node_id,
+            "samples_skipped": 0, "storage_reads": 0, "cache_hits": 0, "decodes": 0, "tier_hits": 0,
+            "decodes_by_epoch": {}, "node": node_id,
             "released_dead": 0, "stall_s": 0.0, "pieces_passed": 0,
         }
         self.group = spec.group_key
@@ -410,6 +411,11 @@ class Coordinator:
             self.stats["prep_cpu_s"] += timing.cpu_s
             self.stats["storage_reads"] += timing.storage_reads
             self.stats["cache_hits"] += timing.cache_hits
+            self.stats["decodes"] += timing.decodes
+            self.stats["tier_hits"] += timing.tier_hits
+            by_epoch = self.stats["decodes_by_epoch"]  # stream epoch -> prefix runs (the decoded tier's effect)
+            epoch = g // self.plan.chunks_per_epoch
+            by_epoch[epoch] = by_epoch.get(epoch, 0) + timing.decodes
         finally:
             self.in_flight -= 1
             self.tasks.pop(g, None)

@@ -24,6 +24,9 @@ metrics export port (Ray adds its ``ray_`` prefix there; counters gain ``_total`
 | ``coordprep_cache_bytes`` | gauge | node | node cache: encoded bytes held |
 | ``coordprep_cache_capacity_bytes`` | gauge | node | node cache |
 | ``coordprep_storage_reads`` | counter | node, reader | samples read from storage by a ``cache`` or a ``prep`` actor |
+| ``coordprep_decoded_hits`` | counter | node | decoded tier: samples served from kept prefix outputs |
+| ``coordprep_decoded_bytes`` | gauge | node | decoded tier: bytes kept |
+| ``coordprep_decoded_capacity_bytes`` | gauge | node | decoded tier |
 | ``coordprep_eval_samples_prepared`` | counter | pipeline | registry: held-out samples its prep pools prepared |
 | ``coordprep_eval_samples_served`` | counter | pipeline | registry: held-out samples handed to trials' evaluations |
 
@@ -69,6 +72,10 @@ DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "cache_capacity_bytes": ("gauge", "The node cache's capacity", ("node",)),
     "storage_reads": ("counter", "Samples read from storage, by a node cache or by a prep actor itself",
                       ("node", "reader")),
+    "decoded_hits": ("counter", "Samples whose prefix output (decoded, resized) the node's decoded tier served",
+                     ("node",)),
+    "decoded_bytes": ("gauge", "Bytes of prefix outputs the node's decoded tier keeps", ("node",)),
+    "decoded_capacity_bytes": ("gauge", "The node's decoded tier's budget", ("node",)),
     "eval_samples_prepared": ("counter", "Held-out samples prepared for evaluation (once per pipeline when "
                               "resident)", ("pipeline",)),
     "eval_samples_served": ("counter", "Held-out samples handed to trials' evaluations", ("pipeline",)),

@@ -19,6 +19,7 @@ from coordinated_prep.pipeline.transforms import Pipeline, make_pipeline
 from coordinated_prep.plan import holdout_split
 from coordinated_prep.readonly import padded_empty
 from coordinated_prep.spec import DataSpec
+from coordinated_prep.tier.client import TierClient
 
 _KEPT = 16  # pipelines kept open per actor (a sweep has a few)
 
@@ -41,15 +42,18 @@ class PrepActor:
 
     Args:
         cache: The sweep's cache layout and options, if it has node caches: reads go through them.
+        tier: The node's decoded tier and its claim timeout, if it has one: prefix outputs go
+            through it (:mod:`coordinated_prep.tier`).
     """
 
-    def __init__(self, cache: tuple[CacheLayout, CacheSpec] | None = None) -> None:
+    def __init__(self, cache: tuple[CacheLayout, CacheSpec] | None = None, tier: tuple[Any, float] | None = None) -> None:
         import torch
 
         import coordinated_prep.pipeline.backends.torchvision_backend  # noqa: F401  (now, not in the first piece)
 
         torch.set_num_threads(1)  # one actor per core: intra-op threads would only oversubscribe
         self._cache = cache
+        self._tier = TierClient(tier[0], ray.get_runtime_context().get_actor_id(), tier[1]) if tier else None
         self._pipelines: dict[str, Pipeline] = {}
         self._specs: dict[str, DataSpec] = {}
         self._buffer = ReusedBuffer()
@@ -75,13 +79,13 @@ class PrepActor:
         cached = getattr(pipeline, "cached", None)
         reads, hits = (cached.storage_reads, cached.cache_hits) if cached else (0, 0)
         chunk, timing = prepare_chunk(pipeline, layout, spec.seed, epoch, indices, spec.on_error, spec.views,
-                                      alloc=self._buffer)
+                                      alloc=self._buffer, decoded=self._tier.outputs if self._tier else None)
         # The put stage (serialising into the object store) happens after this returns; the
         # coordinator measures it as the time from here until it learns the task finished.
         if cached is not None:
             reads, hits = cached.storage_reads - reads, cached.cache_hits - hits
         else:
-            reads = len(indices)
+            reads = timing.decodes if getattr(pipeline, "prefix_key", None) is not None else len(indices)
         return timing._replace(finished_at=time.time(), cpu_s=time.process_time() - cpu, storage_reads=reads,
                                cache_hits=hits), chunk
 

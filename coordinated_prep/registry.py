@@ -60,7 +60,7 @@ _LIVENESS_TIMEOUT_S = 10.0
 _KEPT_INCARNATIONS = 50  # per group, the most recent coordinators' own counters kept in reports
 _SUMMED = ("samples_prepared", "samples_served", "pieces_prepared", "pieces_failed", "trials_joined",
            "fetch_s", "transform_s", "put_s", "prep_cpu_s", "evictions", "storage_reads", "cache_hits",
-           "released_dead", "stall_s", "pieces_passed", "pieces_kept", "pieces_reused")
+           "released_dead", "stall_s", "pieces_passed", "pieces_kept", "pieces_reused", "decodes", "tier_hits")
 
 
 @dataclass
@@ -248,6 +248,19 @@ class GroupRegistry:
             except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
                 logger.warning("cache on node %s: no report: %r", node, e)
                 out[node] = {"node": node, "lost": True}
+        return out
+
+    async def decoded_reports(self) -> dict[str, dict[str, Any]]:
+        """Per node with a decoded tier: its counters, bytes and samples kept (:meth:`DecodedTier.report`)."""
+        out: dict[str, dict[str, Any]] = {}
+        for node, pool in self._pools.items():
+            try:
+                report = await pool.tier_report()
+            except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
+                logger.warning("decoded tier on node %s: no report: %r", node, e)
+                report = {"node": node, "lost": True}
+            if report is not None:
+                out[node] = report
         return out
 
     async def shutdown(self) -> None:
@@ -551,6 +564,9 @@ def _merge(reports: dict[str, dict[str, Any]], key: str, live: dict[str, Any], s
         acc[k] += live.get(k, 0)
     acc["peak_staged_bytes"] = max(acc["peak_staged_bytes"], live.get("peak_staged_bytes", 0))
     acc["samples_skipped"] = max(acc.get("samples_skipped", 0), live.get("samples_skipped", 0))
+    by_epoch = acc.setdefault("decodes_by_epoch", {})
+    for epoch, n in (live.get("decodes_by_epoch") or {}).items():
+        by_epoch[epoch] = by_epoch.get(epoch, 0) + n
     nodes = acc.setdefault("nodes", [])
     if live.get("node") and live["node"] not in nodes:
         nodes.append(live["node"])

@@ -198,6 +198,12 @@ class CoordinatedSearcher(SearchAlgorithm):
             return {}
         return ray.get(self._registry.cache_reports.remote(), timeout=_CALL_TIMEOUT_S)
 
+    def decoded_reports(self) -> dict[str, dict[str, Any]]:
+        """Per node: the decoded tier's hits, misses, waits, samples and bytes kept (:mod:`coordinated_prep.tier`)."""
+        if self._registry is None:
+            return {}
+        return ray.get(self._registry.decoded_reports.remote(), timeout=_CALL_TIMEOUT_S)
+
     def close(self) -> None:
         """Destroy every data group and the registry (idempotent; call after the sweep)."""
         if self._registry is None:

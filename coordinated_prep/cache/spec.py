@@ -11,11 +11,11 @@ from coordinated_prep.errors import ConfigError
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
-def parse_bytes(value: Any, name: str) -> int:
+def parse_bytes(value: Any, name: str, minimum: int = 1) -> int:
     """A byte count from an integer or a string such as ``"512MiB"`` or ``"2GB"``.
 
     Raises:
-        ConfigError: Naming ``name`` and the value, if it is not a positive size.
+        ConfigError: Naming ``name`` and the value, if it is not a size of at least ``minimum``.
     """
     if isinstance(value, bool):
         raise ConfigError(f"{name}={value!r} must be a byte count such as 536870912 or '512MiB'")
@@ -27,8 +27,8 @@ def parse_bytes(value: Any, name: str) -> int:
             raise ConfigError(f"{name}={value!r} must be a byte count such as 536870912 or '512MiB' "
                               f"(units {sorted(u for u in _UNITS if u)})")
         n = int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
-    if n < 1:
-        raise ConfigError(f"{name}={value!r} must be at least one byte")
+    if n < minimum:
+        raise ConfigError(f"{name}={value!r} must be at least {minimum} byte{'s' if minimum != 1 else ''}")
     return n
 
 

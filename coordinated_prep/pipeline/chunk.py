@@ -166,11 +166,19 @@ class ChunkTiming(NamedTuple):
     cpu_s: float = 0.0  # CPU seconds of the preparing process (threads included); 0 when unset
     storage_reads: int = 0  # samples the preparing process read from storage itself
     cache_hits: int = 0  # samples that came from a node's raw-data cache
+    decodes: int = 0  # samples whose prefix (decode, ...) ran here (:mod:`coordinated_prep.pipeline.split`)
+    tier_hits: int = 0  # samples whose prefix output came from the node's decoded tier
+
+
+#: How a prep actor gets prefix outputs: ``(prefix key, indices, produce) -> (outputs, decodes,
+#: hits)``, where ``produce(indices)`` reads and runs the prefix (:class:`~coordinated_prep.tier.client.TierClient`).
+Decoded = Callable[[str, list[int], Callable[[list[int]], list[Any]]], tuple[list[Any], int, int]]
 
 
 def prepare_chunk(
     pipeline: Any, layout: Layout, seed: int, epoch: int, indices: np.ndarray,
     on_error: Literal["raise", "skip"] = "raise", views: int = 1, alloc: Callable[[int], np.ndarray] | None = None,
+    decoded: Decoded | None = None,
 ) -> tuple[PreparedChunk, ChunkTiming]:
     """Read, decode and transform the samples ``indices`` for stream epoch ``epoch``.
 
@@ -183,6 +191,12 @@ def prepare_chunk(
     and reported in the timing's ``skipped``; a failed batch is retried sample by sample to find
     the culprit.
 
+    A pipeline that splits (``prefix_key``: :mod:`coordinated_prep.pipeline.split`) gets its prefix
+    outputs from ``decoded`` (the node's decoded tier), which runs the fetch and prefix only for the
+    samples it does not keep; without it, every sample's prefix runs here. Either way each sample's
+    tail then runs on the same prefix output, so the bytes are the same. The timing's ``fetch_s``
+    then covers reading and the prefix, ``transform_s`` the tail.
+
     Raises:
         SampleError: With ``on_error="raise"``, a sample cannot be read, decoded or transformed;
             names the index and where it lives.
@@ -190,7 +204,63 @@ def prepare_chunk(
             of the pipeline can be trusted then).
     """
     with preserved():  # the global generators are saved once per piece, not per sample
+        if getattr(pipeline, "prefix_key", None) is not None:
+            return _prepare_split(pipeline, layout, seed, epoch, indices, on_error, views, alloc, decoded)
         return _prepare(pipeline, layout, seed, epoch, indices, on_error, views, alloc)
+
+
+def _prepare_split(pipeline: Any, layout: Layout, seed: int, epoch: int, indices: np.ndarray, on_error: str,
+                   views: int, alloc: Callable[[int], np.ndarray] | None,
+                   decoded: Decoded | None) -> tuple[PreparedChunk, ChunkTiming]:
+    """:func:`prepare_chunk` for a pipeline with a prefix: prefix outputs (kept, or made here), then tails."""
+
+    def produce(ids: list[int]) -> list[Any]:
+        out: list[Any] = []
+        for index, raw in zip(ids, pipeline.fetch(ids, seed, epoch)):
+            if isinstance(raw, SampleError):
+                out.append(raw)
+                continue
+            try:
+                out.append(pipeline.prefix(raw, index))
+            except StructureError:
+                raise
+            except Exception as e:  # decoders raise RuntimeError/ValueError/OSError, transforms anything
+                out.append(SampleError(index, pipeline.describe(index), f"cannot decode or transform: "
+                                                                          f"{type(e).__name__}: {e}"))
+        return out
+
+    t0 = time.perf_counter()
+    ids = [int(i) for i in indices]
+    if decoded is not None:
+        outputs, decodes, hits = decoded(pipeline.prefix_key, ids, produce)
+    else:
+        outputs, decodes, hits = produce(ids), len(ids), 0
+    t1 = time.perf_counter()
+    skipped: list[tuple[int, str, str]] = []
+    per_view: list[list[Any]] = [[] for _ in range(views)]
+    kept: list[int] = []
+    for index, packed in zip(ids, outputs):
+        try:
+            if isinstance(packed, SampleError):
+                raise packed
+            try:
+                out = pipeline.tail(packed, seed, epoch, index, views)
+            except (StructureError, SampleError):
+                raise
+            except Exception as e:
+                raise SampleError(index, pipeline.describe(index),
+                                  f"cannot decode or transform: {type(e).__name__}: {e}") from e
+        except SampleError as error:
+            if on_error == "raise":
+                raise
+            skipped.append((error.index, error.path, error.reason))
+            continue
+        for v in range(views):
+            per_view[v].append(out[v])
+        kept.append(index)
+    rows = [layout.check(sample, kept[k], "data") for v in range(views) for k, sample in enumerate(per_view[v])]
+    chunk = stack(layout, rows, np.tile(np.asarray(kept, dtype=np.int64), views), epoch, views, alloc)
+    return chunk, ChunkTiming(t1 - t0, time.perf_counter() - t1, tuple(skipped), decodes=decodes, tier_hits=hits)
 
 
 def _prepare(pipeline: Any, layout: Layout, seed: int, epoch: int, indices: np.ndarray, on_error: str, views: int,

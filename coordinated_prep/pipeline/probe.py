@@ -17,6 +17,7 @@ import numpy as np
 
 from coordinated_prep.errors import ConfigError, SampleError, StructureError
 from coordinated_prep.pipeline.chunk import image_layout
+from coordinated_prep.pipeline.seeding import preserved, reseed
 from coordinated_prep.pipeline.structure import Layout, flatten, make_layout, to_array
 from coordinated_prep.pipeline.transforms import ImagePipeline, Pipeline
 
@@ -50,6 +51,8 @@ def probe(pipeline: Pipeline, seed: int, indices: Sequence[int], ragged: Sequenc
         raise ConfigError(f"{where}: no samples to probe (empty {'training' if mode == 'train' else 'held-out'} split)")
     if all(isinstance(s, SampleError) for _, s in first):
         raise first[0][1]
+    if mode == "train" and getattr(pipeline, "steps", None):
+        _check_prefix(pipeline, [i for i, s in first if not isinstance(s, SampleError)][:2], where)
     # a pipeline of the user's: prepared twice
     second = dict(_prepared(pipeline, seed, [i for i, s in first if not isinstance(s, SampleError)], mode))
     for index, sample in first:
@@ -82,6 +85,24 @@ def _prepared(pipeline: Pipeline, seed: int, ids: list[int], mode: str) -> list[
             continue
         out.append((index, sample))
     return out
+
+
+def _check_prefix(pipeline: Any, ids: list[int], where: str) -> None:
+    """Refuse a prefix (:mod:`coordinated_prep.pipeline.split`) whose output depends on the seed: its
+    kept outputs would be served to every group and epoch as if it did not."""
+    for index, raw in zip(ids, pipeline.fetch(ids, 0, 0)):
+        outputs = []
+        for seed in (1, 2):
+            with preserved():
+                reseed(seed)
+                outputs.append(pipeline.prefix(raw, index))
+        (a, _), (b, _) = outputs
+        if a.shape != b.shape or a.tobytes() != b.tobytes():
+            names = ", ".join(type(s).__name__ for s in pipeline.steps)
+            raise ConfigError(
+                f"{where}: the transform's deterministic prefix ({names}) gave sample {index} other values under "
+                "other seeds, so the decoded tier would serve every group and epoch one draw; a step in it draws at "
+                "random: take deterministic = True off it (or move it after the first random step)")
 
 
 def _equal(a: Any, b: Any) -> bool:

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol, Sequence
 
+import numpy as np
+
 from coordinated_prep.errors import ConfigError, SampleError
 from coordinated_prep.pipeline.datasets import EncodedImages, build
 from coordinated_prep.pipeline.seeding import _FETCH, key_seed, preserved, reseed
+from coordinated_prep.pipeline.split import pack, prefix_key, split_transform, unpack
 
 
 class Pipeline(Protocol):
@@ -49,20 +52,32 @@ class Pipeline(Protocol):
         ...
 
 
+# A pipeline that splits (:mod:`coordinated_prep.pipeline.split`) also has ``prefix_key`` (str; None
+# where it does not split), ``prefix(raw, index) -> packed`` (the deterministic start: decode and
+# the leading deterministic transforms) and ``tail(packed, seed, epoch, index, views) -> samples``,
+# and its ``train`` is exactly ``tail(prefix(raw))``, so a kept prefix output gives the same bytes.
+
+
 class ImagePipeline:
     """The built-in image pipeline: encoded images, decoded and cropped by a ``PipelineSpec``'s backend.
+
+    Its prefix is the decode (torchvision backend; the DALI backend decodes each crop's window and
+    does not split), the same as a ``transform`` of the user's on the same dataset starts with.
 
     Args:
         source: The opened source (or its node-cache wrapper).
         preprocessor: The backend (:func:`coordinated_prep.pipeline.backends.make_preprocessor`).
         size: The side of its square crops.
+        dataset: The dataset's name (``DataSpec.dataset``): the prefix's identity.
     """
 
-    def __init__(self, source: Any, preprocessor: Any, size: int) -> None:
+    def __init__(self, source: Any, preprocessor: Any, size: int, dataset: str = "") -> None:
         self.source = source
         self.preprocessor = preprocessor
         self.size = size
         self.train_batch = self._train_batch if hasattr(preprocessor, "train_batch") else None
+        splits = hasattr(preprocessor, "augment") and self.train_batch is None
+        self.prefix_key = prefix_key(dataset, []) if splits else None
 
     def __len__(self) -> int:
         return len(self.source)
@@ -71,10 +86,25 @@ class ImagePipeline:
         return EncodedImages(self.source).read_many(indices)
 
     def train(self, raw: Any, seed: int, epoch: int, index: int, views: int) -> list[Any]:
+        if self.prefix_key is not None:
+            return self.tail(self.prefix(raw, index), seed, epoch, index, views)
         label = int(self.source.labels[index])
         if views == 1:
             return [(self.preprocessor.train(raw, seed, epoch, index), label)]
         return [(image, label) for image in self.preprocessor.train_views(raw, seed, epoch, index, views)]
+
+    def prefix(self, raw: Any, index: int) -> tuple[np.ndarray, bool]:
+        """The decoded image, packed as a ``tv_tensors.Image`` (as a user transform's prefix packs it)."""
+        return np.ascontiguousarray(self.preprocessor.decode(raw).numpy()), True
+
+    def tail(self, packed: tuple[np.ndarray, bool], seed: int, epoch: int, index: int, views: int) -> list[Any]:
+        """The crop and flip of each view, from a decoded image (copied: a kept one is read-only)."""
+        import torch
+
+        images = self.preprocessor.augment(torch.from_numpy(np.array(packed[0], copy=True)), seed, epoch, index,
+                                           views)
+        label = int(self.source.labels[index])
+        return [(images[v], label) for v in range(views)]
 
     def _train_batch(self, raws: Sequence[Any], seed: int, epoch: int, indices: Sequence[int],
                      views: Sequence[int]) -> list[Any]:
@@ -97,22 +127,29 @@ class UserPipeline:
     seeded by (seed, epoch, i, view). Views share what ``dataset[i]`` returned and must not change it
     in place.
 
+    Encoded images split (:mod:`coordinated_prep.pipeline.split`): the prefix decodes and runs
+    ``steps``, the tail runs ``train`` on ``(image, label)``.
+
     Args:
         dataset: A map-style dataset (or a Factory of one), or an EncodedImages.
-        train: The joint training transform ``sample -> sample``, or None.
+        train: The joint training transform ``sample -> sample``, or None (for encoded images: the tail).
         eval: The joint evaluation transform, or None.
         name: The dataset's name for errors.
+        steps: For encoded images: the prefix's transforms of the image, after decoding.
+        key: For encoded images: the prefix's identity (:func:`~coordinated_prep.pipeline.split.prefix_key`).
     """
 
     train_batch = None
 
     def __init__(self, dataset: Any, train: Callable[[Any], Any] | None, eval: Callable[[Any], Any] | None,
-                 name: str) -> None:
+                 name: str, steps: Sequence[Any] = (), key: str | None = None) -> None:
         self.dataset = dataset
         self._train = train
         self._eval = eval
         self.name = name
         self._encoded = isinstance(dataset, EncodedImages)
+        self.steps = list(steps)
+        self.prefix_key = key if self._encoded else None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -132,14 +169,30 @@ class UserPipeline:
         return out
 
     def train(self, raw: Any, seed: int, epoch: int, index: int, views: int) -> list[Any]:
+        if self._encoded:
+            return self.tail(self.prefix(raw, index), seed, epoch, index, views)
         with preserved():
-            if self._encoded:
-                reseed(key_seed(seed, epoch, index, 0, _FETCH))
-                raw = self.dataset.decode(raw, index)
             out = []
             for view in range(views):
                 reseed(key_seed(seed, epoch, index, view))
                 out.append(self._train(raw) if self._train is not None else raw)
+            return out
+
+    def prefix(self, raw: Any, index: int) -> tuple[np.ndarray, bool]:
+        """Decode and run the prefix's steps: the same output whatever the seed or epoch."""
+        image, _ = self.dataset.decode(raw, index)
+        for step in self.steps:
+            image = step(image)
+        return pack(image, f"data.transform (sample {index}, {self.describe(index)})")
+
+    def tail(self, packed: tuple[np.ndarray, bool], seed: int, epoch: int, index: int, views: int) -> list[Any]:
+        """The rest of the training transform on ``(image, label)``, per view seeded by (seed, epoch, index, view)."""
+        sample = (unpack(packed), int(self.dataset.source.labels[index]))
+        with preserved():
+            out = []
+            for view in range(views):
+                reseed(key_seed(seed, epoch, index, view))
+                out.append(self._train(sample) if self._train is not None else sample)
             return out
 
     def eval(self, raw: Any, seed: int, index: int) -> Any:
@@ -201,15 +254,21 @@ def make_pipeline(spec: Any, source: Any = None) -> Pipeline:
     from coordinated_prep.pipeline.backends import make_preprocessor
     from coordinated_prep.pipeline.sources import open_source
 
+    steps: list[Any] = []
+    key = None
+    transform = build(spec.transform)
     if isinstance(spec.dataset, str):
         source = source if source is not None else open_source(spec.dataset)
         if not spec.user_transforms:
-            return ImagePipeline(source, make_preprocessor(spec.pipeline), spec.pipeline.size)
+            return ImagePipeline(source, make_preprocessor(spec.pipeline), spec.pipeline.size, spec.dataset)
         dataset: Any = EncodedImages(source)
+        if spec.transforms is None:  # joint transforms: the decode is their prefix
+            steps, transform = split_transform(transform)
+        key = prefix_key(spec.dataset, steps)
     else:
         dataset = build(spec.dataset)
-    train = Joint(build(spec.transform), build(spec.target_transform), build(spec.transforms), "data")
+    train = Joint(transform, build(spec.target_transform), build(spec.transforms), "data")
     evaluate = Joint(build(spec.eval_transform), build(spec.target_transform), build(spec.eval_transforms), "data")
     if len(dataset) == 0:
         raise ConfigError(f"data.dataset={spec.dataset_name}: the dataset is empty")
-    return UserPipeline(dataset, train, evaluate, spec.dataset_name)
+    return UserPipeline(dataset, train, evaluate, spec.dataset_name, steps, key)

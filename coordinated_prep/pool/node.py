@@ -1,4 +1,5 @@
-"""One node's prep pool: its prep actors, the CPUs they reserve, and the node's staging budget.
+"""One node's prep pool: its prep actors, the CPUs they reserve, the node's staging budget, and its
+decoded tier (:mod:`coordinated_prep.tier`).
 
 Ownership: the sweep's :class:`~coordinated_prep.registry.GroupRegistry` creates one ``NodePool``
 per node when the sweep starts (every live node) or when a trial first runs on a node that joined
@@ -23,6 +24,11 @@ from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import PrepError
 from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.prep_actor import PrepActor
+from coordinated_prep.tier.actor import DecodedTier
+
+#: How long a prep actor's claim on a sample holds before others decode it themselves (a piece
+#: takes about a second; a claimer that died and was restarted finds its claims its own again).
+CLAIM_TIMEOUT_S = 30.0
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +57,19 @@ class NodePool:
         n = spec.actors_for(cpus)
         self.reserved_cpus = min(spec.cpus_for(cpus), cpus)
         self.budget_bytes = spec.budget_for(store_bytes)
+        self.decoded_bytes = spec.decoded_for(store_bytes)
         affinity = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+        self.tier: Any = None
+        if self.decoded_bytes > 0:
+            self.tier = DecodedTier.options(scheduling_strategy=affinity).remote(self.decoded_bytes, node,
+                                                                                 CLAIM_TIMEOUT_S)
         self.actors: list[Any] = [
-            PrepActor.options(num_cpus=self.reserved_cpus / n, scheduling_strategy=affinity).remote(cache)
+            PrepActor.options(num_cpus=self.reserved_cpus / n, scheduling_strategy=affinity).remote(
+                cache, (self.tier, CLAIM_TIMEOUT_S) if self.tier is not None else None)
             for _ in range(n)
         ]
-        logger.info("node %s: prep pool of %d actors reserving %.2f CPUs, staging budget %d bytes",
-                    node, n, self.reserved_cpus, self.budget_bytes)
+        logger.info("node %s: prep pool of %d actors reserving %.2f CPUs, staging budget %d bytes, decoded tier "
+                    "%d bytes", node, n, self.reserved_cpus, self.budget_bytes, self.decoded_bytes)
 
     async def ready(self) -> None:
         """Wait until every actor is placed and has imported what it needs.
@@ -67,7 +79,8 @@ class NodePool:
                 naming the node, the CPUs asked for and the fix.
         """
         try:
-            await asyncio.wait_for(asyncio.gather(*(a.__ray_ready__.remote() for a in self.actors)),
+            actors = self.actors + ([self.tier] if self.tier is not None else [])
+            await asyncio.wait_for(asyncio.gather(*(a.__ray_ready__.remote() for a in actors)),
                                    self.spec.start_timeout_s)
         except (asyncio.TimeoutError, ray.exceptions.RayError) as e:
             raise PrepError(
@@ -80,3 +93,11 @@ class NodePool:
         """Kill every actor (no restart); pieces their coordinators own are unaffected."""
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
+        if self.tier is not None:  # its kept objects are freed with it (it owns them)
+            ray.kill(self.tier, no_restart=True)
+
+    async def tier_report(self) -> dict[str, Any] | None:
+        """The decoded tier's counters and bytes (:meth:`DecodedTier.report`); None without a tier."""
+        if self.tier is None:
+            return None
+        return await asyncio.wait_for(self.tier.report.remote(), 30.0)

@@ -32,6 +32,14 @@ class PoolSpec:
             held-out split, prepared once per evaluation pipeline) may keep resident for the whole
             sweep; what does not fit is prepared again at each evaluation and streamed in order.
             The data groups share what the resident pieces leave.
+        decoded_fraction: The node's decoded tier (:mod:`coordinated_prep.tier`) as a fraction of its
+            object store: prefix outputs (decoded, resized samples) kept for every data group and
+            epoch, so that from the second epoch on only the groups' random tails run; what does not
+            fit is decoded again. Its objects live in the object store, which every prep actor of
+            the node reads zero-copy, so the store is the resource it competes for (with staging):
+            a quarter keeps the sum with staging's quarter at half, leaving the rest to the trials
+            and evaluation, and never makes the store spill. ``0`` turns the tier off.
+        decoded_bytes: The decoded tier's budget in bytes (``"2GiB"``); overrides ``decoded_fraction``.
     """
 
     actors: int | None = None
@@ -40,6 +48,8 @@ class PoolSpec:
     staging_bytes: int | str | None = None
     start_timeout_s: float = 180.0
     eval_fraction: float = 0.5
+    decoded_fraction: float = 0.25
+    decoded_bytes: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.actors is not None and (not isinstance(self.actors, int) or isinstance(self.actors, bool)
@@ -56,6 +66,12 @@ class PoolSpec:
                 or not 0.0 <= self.eval_fraction <= 0.9):
             raise ConfigError(f"pool.eval_fraction={self.eval_fraction!r} must be in [0, 0.9] (0: evaluation "
                               "pieces are never kept, each evaluation prepares them again)")
+        if (not isinstance(self.decoded_fraction, (int, float)) or isinstance(self.decoded_fraction, bool)
+                or not 0.0 <= self.decoded_fraction <= 0.6):
+            raise ConfigError(f"pool.decoded_fraction={self.decoded_fraction!r} must be in [0, 0.6] (0: no decoded "
+                              "tier; with staging's share it must leave the trials part of the object store)")
+        if self.decoded_bytes is not None:
+            object.__setattr__(self, "decoded_bytes", parse_bytes(self.decoded_bytes, "pool.decoded_bytes", minimum=0))
         if not isinstance(self.start_timeout_s, (int, float)) or self.start_timeout_s <= 0:
             raise ConfigError(f"pool.start_timeout_s={self.start_timeout_s!r} must be a positive number of seconds")
 
@@ -70,6 +86,12 @@ class PoolSpec:
     def budget_for(self, store_bytes: float) -> int:
         """The node's staging budget, for an object store of ``store_bytes``."""
         return int(self.staging_bytes) if self.staging_bytes is not None else int(store_bytes * self.staging_fraction)
+
+    def decoded_for(self, store_bytes: float) -> int:
+        """The node's decoded tier budget, for an object store of ``store_bytes`` (0: no tier)."""
+        if self.decoded_bytes is not None:
+            return int(self.decoded_bytes)
+        return int(store_bytes * self.decoded_fraction)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], where: str = "pool") -> "PoolSpec":

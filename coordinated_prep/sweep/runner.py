@@ -75,7 +75,7 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1, resume: bool = False,
         results = tuner.fit()
         if searcher is not None and (not resume or searcher.attach()):
             reports = {"groups": searcher.group_reports(), "caches": searcher.cache_reports(),
-                       "evals": searcher.eval_reports()}
+                       "evals": searcher.eval_reports(), "decoded": searcher.decoded_reports()}
     finally:
         if searcher is not None:
             searcher.close()
@@ -92,7 +92,7 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1, resume: bool = False,
                 row["status"] = "UNFINISHED"
                 unfinished[row["trial"]] = saved[row["trial"]]
     summary = build_summary(trials, reports.get("groups", {}), cfg.metric, cfg.mode, reports.get("caches"),
-                            reports.get("evals"))
+                            reports.get("evals"), reports.get("decoded"))
     summary["interrupted"] = bool(unfinished)
     if unfinished:
         logger.warning("the sweep was interrupted with %d trials unfinished (saved as %s); resume it with: "

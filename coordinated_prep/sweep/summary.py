@@ -12,9 +12,10 @@ _TRIAL_COLUMNS = ("trial", "status", "epochs", "metric", "stall_fraction", "batc
 
 def build_summary(trials: Sequence[Mapping[str, Any]], groups: Mapping[str, Mapping[str, Any]],
                   metric: str, mode: str, caches: Mapping[str, Mapping[str, Any]] | None = None,
-                  evals: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+                  evals: Mapping[str, Mapping[str, Any]] | None = None,
+                  decoded: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """Assemble the summary from per-trial rows and the searcher's reports (data groups, node caches,
-    evaluation sets)."""
+    evaluation sets, decoded tiers)."""
     scored = [t for t in trials if isinstance(t.get(metric), (int, float)) and not math.isnan(t[metric])]
     best = (max if mode == "max" else min)(scored, key=lambda t: t[metric]) if scored else None
     group_rows = {}
@@ -22,7 +23,7 @@ def build_summary(trials: Sequence[Mapping[str, Any]], groups: Mapping[str, Mapp
         prepared, served = g.get("samples_prepared", 0), g.get("samples_served", 0)
         group_rows[key] = dict(g, saving=(served / prepared) if prepared else None)
     return {"metric": metric, "mode": mode, "best_trial": best, "trials": list(trials), "groups": group_rows,
-            "caches": dict(caches or {}), "evaluation": dict(evals or {})}
+            "caches": dict(caches or {}), "evaluation": dict(evals or {}), "decoded": dict(decoded or {})}
 
 
 def write_summary(summary: Mapping[str, Any], directory: str) -> str:
@@ -77,6 +78,20 @@ def format_summary(summary: Mapping[str, Any]) -> str:
             [[key, e.get("samples"), f"{e.get('resident_pieces')}/{e.get('pieces')} pieces", e.get("evaluations"),
               e.get("samples_prepared"), e.get("samples_served")] for key, e in evals.items()],
         ))
+    tiers = summary.get("decoded") or {}
+    if tiers:
+        lines.append("")
+        lines.append(format_table(
+            ["decoded tier node", "samples kept", "MiB kept", "MiB budget", "full", "hits", "misses", "waited"],
+            [[node[:12], "lost" if t.get("lost") else t.get("samples", "-"),
+              _num(t.get("used_bytes", 0) / 2**20, "{:.1f}"), _num(t.get("capacity_bytes", 0) / 2**20, "{:.1f}"),
+              t.get("full", "-"), t.get("hits", 0), t.get("misses", 0), t.get("waits", 0)]
+             for node, t in tiers.items()],
+        ))
+        decodes = sum(g.get("decodes", 0) for g in summary["groups"].values())
+        prepared = sum(g.get("samples_prepared", 0) for g in summary["groups"].values())
+        lines.append(f"Prefix runs (read and decode) {decodes} for {prepared} samples prepared across the groups "
+                     f"({_num(decodes / prepared if prepared else None, '{:.2f}')} per sample)")
     caches = summary.get("caches") or {}
     if caches:
         lines.append("")

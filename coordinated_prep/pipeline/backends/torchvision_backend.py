@@ -34,7 +34,14 @@ class TorchvisionPreprocessor:
 
     def train_views(self, data: bytes, seed: int, epoch: int, index: int, views: int) -> np.ndarray:
         """Decode one sample once and augment it ``views`` times into uint8 (views, 3, size, size)."""
-        image = _decode(data)
+        return self.augment(_decode(data), seed, epoch, index, views)
+
+    def decode(self, data: bytes) -> torch.Tensor:
+        """The deterministic prefix: uint8 (3, H, W) of encoded ``data`` (what the decoded tier keeps)."""
+        return _decode(data)
+
+    def augment(self, image: torch.Tensor, seed: int, epoch: int, index: int, views: int) -> np.ndarray:
+        """The random tail: ``views`` crops and flips of a decoded image, uint8 (views, 3, size, size)."""
         return torch.stack([self._augment(image, seed, epoch, index, v) for v in range(views)]).numpy()
 
     def _augment(self, image: torch.Tensor, seed: int, epoch: int, index: int, view: int) -> torch.Tensor:
