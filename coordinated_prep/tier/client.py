@@ -60,7 +60,14 @@ class TierClient:
             self._broke(e)
             return produce(ids), len(ids), 0
         todo = [k for k, a in enumerate(answers) if a in (MINE, SELF)]
-        for k, value in zip(todo, produce([ids[k] for k in todo])):
+        try:
+            made = produce([ids[k] for k in todo])
+        except BaseException:  # a structure error, an interrupt: the claims end now, not at their deadline
+            mine = [ids[k] for k in todo if answers[k] == MINE]
+            if mine:
+                self.tier.release.remote(prefix, mine, self.who)
+            raise
+        for k, value in zip(todo, made):
             values[k] = value
         decodes = len(todo)
         self._offer(prefix, ids, values, [k for k in todo if answers[k] == MINE])
