@@ -389,6 +389,15 @@ def test_data_keys_search_places_inside_the_data_mapping(tmp_path):
     assert same == spec and same.group_key == spec.group_key, "equal values, one data group"
 
 
+def test_analyze_measures_a_representative_trials_data(tmp_path):
+    from coordinated_prep.analyze.run import representative_config
+
+    config = representative_config(_with_data(tmp_path, DATA_KEYS))
+    spec = config["data"]
+    assert (spec.pipeline.scale, spec.pipeline.size, spec.seed) == ((0.08, 1.0), 96, 4), "first grid and choice values"
+    assert spec.pipeline.ratio == (0.75, 1.35), "the middle of a range"
+
+
 def test_grid_data_keys_count_as_trials(tmp_path):
     # GOOD: 2 samples x a grid of 2 widths; a grid of 2 data values doubles it.
     hyperband = GOOD.replace(SCHEDULER, "scheduler: {type: hyperband, max_t: 2}").replace(
