@@ -57,6 +57,8 @@ def test_the_configurations_to_measure():
                                           "resnet18 w6 b32 64px none", "resnet18 w6 b32 64px budget=0.5"]
     assert configs[1].trial_config() == {"batch_size": 16, "width": 6, "memory": {"budget": 0.5}}
     assert memory_configs("small_cnn", {"batch_size": 8}, 32)[0].memory == MemoryMode()
+    searched = memory_configs("small_cnn", {"batch_size": 8, "data.pipeline.size": Dimension("choice", (32, 64))}, 16)
+    assert [c.size for c in searched] == [32, 64], "a searched crop size: each of its values, not the base's"
     assert values(Dimension("uniform", (1.0, 3.0))) == [2.0] and values(Dimension("loguniform", (1, 100))) == [10.0]
 
 

@@ -355,3 +355,169 @@ def test_hyperband_with_fewer_concurrent_trials_than_trials_is_refused(tmp_path)
         load_sweep(_write(tmp_path, hyperband))
     assert load_sweep(_write(tmp_path, hyperband.replace("max_concurrent_trials: 2", "max_concurrent_trials: 4")))
     assert load_sweep(_write(tmp_path, hyperband.replace("max_concurrent_trials: 2", "max_concurrent_trials: 0")))
+
+
+#: GOOD with data keys in its search space (GOOD's data: builtin:shapes, seed 3, pipeline size 32).
+DATA_KEYS = """  data.pipeline.scale: {grid: [[0.08, 1.0], [0.25, 1.0]]}
+  data.pipeline.size: {choice: [96, 128]}
+  data.pipeline.ratio.1: {uniform: [1.2, 1.5]}
+  data.seed: 4
+"""
+
+
+def _with_data(tmp_path, keys: str, base: str = GOOD):
+    return load_sweep(_write(tmp_path, base.replace("  epochs: 2\n", "  epochs: 2\n" + keys)))
+
+
+def test_data_keys_search_places_inside_the_data_mapping(tmp_path):
+    from ray.tune.search.sample import Function
+
+    cfg = _with_data(tmp_path, DATA_KEYS)
+    assert cfg.data.seed == 3 and cfg.data.pipeline.size == 32, "SweepConfig.data stays the base, as written"
+    assert cfg.data_search.keys == ("data.pipeline.scale", "data.pipeline.size", "data.pipeline.ratio.1", "data.seed")
+    space = cfg.param_space()
+    assert space["data.pipeline.scale"] == {"grid_search": [[0.08, 1.0], [0.25, 1.0]]}
+    assert isinstance(space["data.pipeline.size"], Categorical) and space["data.seed"] == 4
+    assert isinstance(space["data"], Function), "Tune builds each trial's DataSpec from its resolved values"
+    spec = space["data"].func({"data.pipeline.scale": [0.08, 1.0], "data.pipeline.size": 96,
+                               "data.pipeline.ratio.1": 1.4, "data.seed": 4})
+    assert spec.pipeline.scale == (0.08, 1.0) and spec.pipeline.size == 96 and spec.seed == 4
+    assert spec.pipeline.ratio == (0.75, 1.4), "an item of a default pair: the other stays the default"
+    assert spec.pipeline.eval_resize == 110, "derived from the searched size"
+    same = cfg.data_search.spec({"data.pipeline.scale": (0.08, 1), "data.pipeline.size": 96,
+                                 "data.pipeline.ratio.1": 1.4, "data.seed": 4})
+    assert same == spec and same.group_key == spec.group_key, "equal values, one data group"
+
+
+def test_analyze_measures_a_representative_trials_data(tmp_path):
+    from coordinated_prep.analyze.run import representative_config
+
+    config = representative_config(_with_data(tmp_path, DATA_KEYS))
+    spec = config["data"]
+    assert (spec.pipeline.scale, spec.pipeline.size, spec.seed) == ((0.08, 1.0), 96, 4), "first grid and choice values"
+    assert spec.pipeline.ratio == (0.75, 1.35), "the middle of a range"
+
+
+def test_grid_data_keys_count_as_trials(tmp_path):
+    # GOOD: 2 samples x a grid of 2 widths; a grid of 2 data values doubles it.
+    hyperband = GOOD.replace(SCHEDULER, "scheduler: {type: hyperband, max_t: 2}").replace(
+        "max_concurrent_trials: 2", "max_concurrent_trials: 5")
+    assert _with_data(tmp_path, "", hyperband)
+    with pytest.raises(ConfigError, match=r"max_concurrent_trials=5 with scheduler hyperband and 8 trials"):
+        _with_data(tmp_path, "  data.pipeline.size: {grid: [32, 48]}\n", hyperband)
+
+
+def test_a_factorys_args_are_searched(tmp_path):
+    cfg = load_sweep(_write(tmp_path, """
+        trainable: small_cnn
+        data:
+          dataset: builtin:shapes
+          transform: {factory: "torchvision.transforms.v2:RandomResizedCrop", args: {size: 32, scale: [0.3, 1.0]}}
+        search_space:
+          lr: 0.01
+          batch_size: 16
+          epochs: 1
+          data.transform.args.scale.0: {uniform: [0.08, 0.5]}
+          data.transform.args.antialias: {choice: [true, false]}
+    """))
+    spec = cfg.data_search({"data.transform.args.scale.0": 0.2, "data.transform.args.antialias": False})
+    assert spec.transform.args == {"size": 32, "scale": [0.2, 1.0], "antialias": False}
+    assert cfg.data_search.base["transform"]["args"]["scale"] == [0.3, 1.0], "the base is never changed"
+
+
+@pytest.mark.parametrize("keys, message", [
+    ("  data: {seed: 1}\n", r"search_space.data: the data spec belongs under the top-level 'data' key; search a value "
+                            r"inside it with a dotted key"),
+    ("  data.colour: 1\n", r"search_space.data.colour: data has no key 'colour'; allowed: \['dataset', 'pipeline',"),
+    ("  data.pipeline.sise: {choice: [32, 64]}\n",
+     r"search_space.data.pipeline.sise: data.pipeline has no key 'sise'; allowed: \['size', 'scale', 'ratio',"),
+    ("  data.pipeline.scale.2: 0.5\n", r"search_space.data.pipeline.scale.2: data.pipeline.scale=\[0.25, 1.0\] is a "
+                                       r"list of 2 item\(s\); address an item by its number, 0 to 1"),
+    ("  data.pipeline.scale.low: 0.5\n", r"search_space.data.pipeline.scale.low: .* address an item by its number"),
+    ("  data.seed.0: 1\n", r"search_space.data.seed.0: data.seed=3 is a single value with nothing inside to address; "
+                           r"search_space.data.seed sets it whole"),
+    ("  data.transform.args.p: 0.5\n", r"search_space.data.transform.args.p: data.transform=None is not a factory "
+                                       r"mapping; .* give data.transform under data as \{factory: "),
+    ("  data.coordinated: {choice: [true, false]}\n", r"search_space.data.coordinated: data.coordinated cannot be "
+                                                      r"searched: it decides for the whole sweep"),
+    ("  data.pipeline.: 1\n", r"search_space.data.pipeline.: a data key is data.<field>"),
+    ("  data.pipeline.scale: {grid: [[0.2, 1.0]]}\n  data.pipeline.scale.0: 0.3\n",
+     r"search_space.data.pipeline.scale.0 lies inside search_space.data.pipeline.scale: both would set it; keep one"),
+    ("  data.pipeline.scale: {grid: [[0.08, 1.0], [0.5, 0.2]]}\n",
+     r"search_space.data.pipeline.scale=\[0.5, 0.2\]: data.pipeline.scale=\[0.5, 0.2\] must satisfy 0 < low <= high; "
+     r"change the values searched"),
+    ("  data.pipeline.scale.0: {uniform: [0.2, 1.5]}\n",
+     r"search_space.data.pipeline.scale.0=1.5: data.pipeline.scale=\[1.5, 1.0\] must satisfy 0 < low <= high"),
+    ("  data.pipeline.size: {choice: [32, 4]}\n  data.seed: 1\n",
+     r"search_space.data.pipeline.size=4 \(with data.seed=1\): data.pipeline.size=4 must be an integer in \[8, 4096\]"),
+    ("  data.pipeline.size: {randint: [8, 5000]}\n", r"search_space.data.pipeline.size=4999: .* in \[8, 4096\]"),
+    ("  data.pipeline.size: {uniform: [32, 64]}\n",
+     r"search_space.data.pipeline.size=32.0: data.pipeline.size=32.0 must be an integer"),
+    ("  data.pipeline.scale.0: {choice: [0.2, 0.9]}\n  data.pipeline.scale.1: {choice: [0.5, 1.0]}\n",
+     r"search_space.data.pipeline.scale.0=0.9 \(with data.pipeline.scale.1=0.5\): .* must satisfy 0 < low <= high"),
+    ("  data.dataset: {choice: [builtin:shapes, /no/such/dir]}\n",
+     r"search_space.data.dataset='/no/such/dir': no such directory"),
+    ("  data.pipeline.size: {grid: [32, 48]}\n", None),  # with search: optuna below
+])
+def test_data_key_mistakes_name_the_key_and_the_fix(tmp_path, keys, message):
+    search = ""
+    if message is None:
+        search, message = "search: {type: optuna}\n", r"search_space.data.pipeline.size: search.type=optuna cannot " \
+                                                       r"search a grid; write \{choice: \[32, 48\]\}"
+    path = _write(tmp_path, NO_GRID.replace("  epochs: 2\n", "  epochs: 2\n" + keys) + search)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_sweep(path)
+    assert str(info.value).startswith(path)
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{type: pbt, hyperparam_mutations: {data.pipeline.size: {choice: [32, 48]}}}",
+     r"scheduler.hyperparam_mutations.data.pipeline.size: pbt would change a running trial's data, and a trial cannot "
+     r"change data group mid-run"),
+    ("{type: pbt, hyperparam_mutations: {lr: {uniform: [0.01, 0.1]}}}",
+     r"search_space.data.pipeline.size: scheduler pbt copies a better trial's config, its data included, into a "
+     r"worse trial mid-run"),
+    ("{type: pb2, hyperparam_bounds: {data.pipeline.size: [32, 48]}}",
+     r"scheduler.hyperparam_bounds.data.pipeline.size: pb2 would change a running trial's data"),
+])
+def test_population_schedulers_keep_each_trial_in_its_data_group(tmp_path, monkeypatch, line, message):
+    _fake_find_spec(monkeypatch, present=("GPy", "sklearn"))  # as if the pb2 extra were installed
+    base = GOOD.replace(SCHEDULER, f"scheduler: {line}")
+    with pytest.raises(ConfigError, match=message):
+        _with_data(tmp_path, "  data.pipeline.size: {choice: [32, 48]}\n", base)
+    assert _with_data(tmp_path, "  data.pipeline.size: 48\n", GOOD.replace(
+        SCHEDULER, "scheduler: {type: pbt, hyperparam_mutations: {lr: {uniform: [0.01, 0.1]}}}")), \
+        "a constant data key keeps every trial in one group"
+
+
+@pytest.mark.parametrize("search", ["random", "optuna", "hyperopt"])
+def test_every_searcher_gives_each_trial_the_dataspec_of_its_values(tmp_path, search):
+    """What Tune does with the param space (placeholders, the search algorithm, then the trial's resolution), no Ray."""
+    import copy
+
+    from ray.tune.impl.placeholder import create_resolvers_map, inject_placeholders
+    from ray.tune.search import SearchGenerator
+
+    from coordinated_prep.spec import DataSpec
+
+    if search != "random":
+        pytest.importorskip(search, reason=f"the {search} extra is not installed")
+    keys = "  data.pipeline.scale.0: {uniform: [0.2, 0.6]}\n  data.pipeline.size: {choice: [32, 48]}\n"
+    cfg = _with_data(tmp_path, keys, NO_GRID + f"search: {{type: {search}, seed: 0}}\n")
+    resolvers = create_resolvers_map()
+    space = inject_placeholders(copy.deepcopy(cfg.param_space()), resolvers)
+    algorithm = cfg.search.to_tune(max_concurrent=0)
+    if search != "random":
+        algorithm = SearchGenerator(algorithm)
+        algorithm.set_search_properties("accuracy", "max", space)
+    algorithm.add_configurations({"sweep": {"run": cfg.trainable_fn(), "config": space, "num_samples": 4}})
+    specs = []
+    for _ in range(4):
+        trial = algorithm.next_trial()
+        trial.resolve_config_placeholders(resolvers)  # what Tune does when it adds the trial
+        spec, config = trial.config["data"], trial.config
+        assert isinstance(spec, DataSpec) and spec.pipeline.scale == (config["data.pipeline.scale.0"], 1.0)
+        assert 0.2 <= spec.pipeline.scale[0] <= 0.6 and spec.pipeline.size == config["data.pipeline.size"]
+        assert spec.seed == 3 and spec.pipeline.ratio == cfg.data.pipeline.ratio, "the rest as data gives it"
+        specs.append(spec)
+    assert len({s.group_key for s in specs}) == 4, "a continuous value: a data group per trial"

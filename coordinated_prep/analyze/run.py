@@ -42,7 +42,8 @@ TRIALS = (1, 2, 4, 8, 16)
 
 
 def representative_config(cfg: SweepConfig) -> dict[str, Any]:
-    """One concrete trial config: the first choice or grid value, the middle of a range."""
+    """One concrete trial config: the first choice or grid value, the middle of a range; its ``data`` is
+    the DataSpec of those values when the sweep searches data keys."""
     config: dict[str, Any] = {}
     for key, value in cfg.search_space.items():
         if isinstance(value, Dimension):
@@ -56,7 +57,7 @@ def representative_config(cfg: SweepConfig) -> dict[str, Any]:
             else:  # randint: [low, high)
                 value = (low + rest[0] - 1) // 2
         config[key] = value
-    config["data"] = cfg.data
+    config["data"] = cfg.data if cfg.data_search is None else cfg.data_search.spec(config)
     return config
 
 
@@ -89,7 +90,8 @@ def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, s
     if run_samples < 2:
         raise ConfigError(f"analyze: --run-samples={run_samples} must be at least 2 (the first batch is start-up)")
     cores = cores or os.cpu_count() or 1
-    spec = cfg.data
+    config = representative_config(cfg)
+    spec = config["data"]  # the base data, or the representative trial's when data keys are searched
     if spec.user_transforms:
         raise ConfigError(f"analyze: {cfg.path} brings its own dataset or transforms; analyze models the built-in image "
                           "pipeline (read, decode, crop) of a builtin or directory dataset: run it on such a sweep")
@@ -97,7 +99,6 @@ def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, s
     paths = getattr(source, "paths", None)
     if paths is None:
         raise ConfigError(f"analyze: dataset {spec.dataset!r} is not file-backed, so its cache cannot be evicted")
-    config = representative_config(cfg)
     batch_size = int(config.get("batch_size", 64))
     step = _step(cfg, config, len(source.classes), step_ms)
     preprocessor = make_preprocessor(spec.pipeline)  # type: ignore[arg-type]

@@ -3,7 +3,7 @@
 Pure Python over a validated SweepConfig (no torch): ``choice`` and ``grid`` keys contribute every
 value; a continuous distribution (``uniform``, ``loguniform``, ``randint``) contributes the middle
 of its range, as ``coordprep analyze`` does; a constant contributes itself. The crop size is the
-sweep's ``data.pipeline.size``.
+sweep's ``data.pipeline.size``, or the values of the search-space key ``data.pipeline.size`` when it has one.
 """
 
 from __future__ import annotations
@@ -65,14 +65,15 @@ def memory_configs(trainable: str, space: dict[str, Any], size: int) -> list[Mem
     Args:
         trainable: The registered trainable's name.
         space: The sweep's search space (constants and Dimensions).
-        size: The crop size (``data.pipeline.size``).
+        size: The crop size (``data.pipeline.size``), unless the space searches ``data.pipeline.size``.
     """
     batches = [int(b) for b in values(space["batch_size"])]
+    sizes = [int(s) for s in values(space.get("data.pipeline.size", size))]
     widths = [int(w) for w in values(space["width"])] if "width" in space else [None]
     modes = [parse_memory(m, "search_space.memory") for m in values(space.get("memory", "none"))]
     unique: list[MemoryConfig] = []
-    for b, w, m in itertools.product(batches, widths, modes):
-        config = MemoryConfig(trainable, b, size, w, m)
+    for b, s, w, m in itertools.product(batches, sizes, widths, modes):
+        config = MemoryConfig(trainable, b, s, w, m)
         if config not in unique:
             unique.append(config)
     return unique

@@ -21,6 +21,12 @@ Schema (every key but ``trainable`` and ``search_space`` is optional)::
       memory: {choice: [none, checkpoint, {budget: 0.3}]}   # or a constant: none, checkpoint, {budget: 0.3}
       echo: {choice: [1, 2, batch:2, auto]}   # data echoing per trial (coordinated_prep.echo); not part of the group
       epochs: 3
+      # a place inside `data` by its dotted path (coordinated_prep.sweep.data_space): each trial gets the DataSpec
+      # of its values (equal values, one data group); every listable value is checked at load
+      data.pipeline.scale: {grid: [[0.08, 1.0], [0.25, 1.0]]}
+      data.pipeline.size: {choice: [96, 128]}
+      # data.pipeline.scale.0: {uniform: [0.08, 0.5]}      an item of a list by its number (the upper bound stays)
+      # data.transform.args.scale_min: {uniform: [0.1, 0.5]}   an argument of a {factory, args} transform
     num_samples: 8
     max_concurrent_trials: 4         # 0 = as many as resources allow
     max_failures: 0                  # retries per trial (Tune's FailureConfig); a retry resumes from its checkpoint
@@ -32,11 +38,12 @@ Schema (every key but ``trainable`` and ``search_space`` is optional)::
     #   fifo
     #   asha       grace_period: 1, reduction_factor: 2, max_t: <epochs>
     #   hyperband  max_t: <epochs>, reduction_factor: 3   (synchronous: coordinated_prep.schedulers' class)
-    #   pbt        hyperparam_mutations: {lr: {loguniform: [0.001, 0.1]}} (search-space keys, no grid),
+    #   pbt        hyperparam_mutations: {lr: {loguniform: [0.001, 0.1]}} (search-space keys, no grid, no data keys),
     #              perturbation_interval: 1, quantile_fraction: 0.25, resample_probability: 0.25, synch: false
     #   pb2        hyperparam_bounds: {lr: [0.001, 0.1]}, perturbation_interval: 1, quantile_fraction: 0.25
     #              (extra: pip install 'coordinated-prep[pb2]')
-    #   every scheduler counts epochs (training_iteration) and ranks trials by metric and mode
+    #   every scheduler counts epochs (training_iteration) and ranks trials by metric and mode; pbt and pb2 take
+    #   no searched data keys (a trial they move to another's config would change data group mid-run)
     search: {type: random, seed: 0}  # default random: Tune's generator (samples, and expands grid keys); grid:
                                      # the same, grid keys and constants only; optuna, hyperopt: model-based,
                                      # no grid keys, each needs its extra: pip install 'coordinated-prep[optuna]'
@@ -64,6 +71,7 @@ from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.sweep.algorithms import (FifoSpec, PB2Spec, PBTSpec, SchedulerSpec, SearchSpec, parse_scheduler,
                                                parse_search)
+from coordinated_prep.sweep.data_space import DataSearch, check_data_search, data_keys
 from coordinated_prep.sweep.syntax import DISTRIBUTIONS, Dimension, check_keys, parse_dimension
 from coordinated_prep.sweep.yaml_loader import load_yaml
 
@@ -101,10 +109,14 @@ class SweepConfig:
     ray: Mapping[str, Any] = field(default_factory=dict)
     cache: CacheSpec | None = None
     pool: PoolSpec = field(default_factory=PoolSpec)
+    data_search: DataSearch | None = None  # the search-space keys data.<path>, set inside ``data`` per trial
 
     def __post_init__(self) -> None:
         self.scheduler.check_space(self.search_space)
         self.search.check_space(self.search_space)
+        for spec in check_data_search(self.search_space, self.data_search, self.scheduler):
+            if isinstance(spec.dataset, str) and spec.dataset != self.data.dataset:
+                _check_dataset(spec.dataset, "search_space.data.dataset")
         trials = self.num_samples * math.prod(len(v.args) for v in self.search_space.values()
                                               if isinstance(v, Dimension) and v.kind == "grid")
         if self.scheduler.type == "hyperband" and 0 < self.max_concurrent_trials < trials:
@@ -122,9 +134,10 @@ class SweepConfig:
         return resolve_trainable(self.trainable, self.path)
 
     def param_space(self) -> dict[str, Any]:
-        """The Tune config: the search space plus the DataSpec under ``data``."""
+        """The Tune config: the search space plus the DataSpec under ``data``; with data keys in the search
+        space, ``data`` is a ``tune.sample_from`` that builds each trial's DataSpec from its values."""
         space = {k: v.to_tune() if isinstance(v, Dimension) else v for k, v in self.search_space.items()}
-        space["data"] = self.data
+        space["data"] = self.data if self.data_search is None else self.data_search.to_tune()
         return space
 
 
@@ -153,9 +166,12 @@ def _parse(path: str, raw: Any) -> SweepConfig:
     if not isinstance(space, Mapping) or not space:
         raise ConfigError("search_space must be a non-empty mapping of config keys to constants or distributions")
     if "data" in space:
-        raise ConfigError("search_space.data: the data spec belongs under the top-level 'data' key")
+        raise ConfigError("search_space.data: the data spec belongs under the top-level 'data' key; search a value "
+                          "inside it with a dotted key, e.g. search_space: {data.pipeline.size: {choice: [96, 128]}}")
     kwargs: dict[str, Any] = {"path": path, "trainable": trainable, "data": data,
                               "search_space": {k: parse_dimension(f"search_space.{k}", v) for k, v in space.items()}}
+    if data_keys(space):
+        kwargs["data_search"] = DataSearch(raw.get("data") or {}, data_keys(space))
     if "scheduler" in raw:
         kwargs["scheduler"] = parse_scheduler(raw["scheduler"])
     if "search" in raw:
@@ -207,14 +223,14 @@ def resolve_trainable(name: str, where: str = "trainable") -> Callable[[dict], N
     return fn
 
 
-def _check_dataset(dataset: str) -> None:
+def _check_dataset(dataset: str, name: str = "data.dataset") -> None:
     from coordinated_prep.pipeline.sources import BUILTIN_DATASETS
 
     if dataset.startswith("builtin:"):
         if dataset not in BUILTIN_DATASETS:
-            raise ConfigError(f"data.dataset={dataset!r} is not a builtin dataset; choose one of {list(BUILTIN_DATASETS)}")
+            raise ConfigError(f"{name}={dataset!r} is not a builtin dataset; choose one of {list(BUILTIN_DATASETS)}")
     elif not os.path.isdir(dataset):
-        raise ConfigError(f"data.dataset={dataset!r}: no such directory; give an ImageFolder root, a Parquet "
+        raise ConfigError(f"{name}={dataset!r}: no such directory; give an ImageFolder root, a Parquet "
                           f"dataset directory (coordprep convert) or one of {list(BUILTIN_DATASETS)}")
 
 

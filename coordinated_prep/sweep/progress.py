@@ -14,16 +14,19 @@ from typing import Any, Callable, Mapping, TextIO
 from ray import tune
 
 from coordinated_prep.spec import DataSpec
+from coordinated_prep.sweep.summary import format_searched, searched_data
 
 
 def format_progress(elapsed_s: float, reports: Mapping[str, Mapping[str, Any]],
-                    stalls: Mapping[str, tuple[str, float]]) -> str:
+                    stalls: Mapping[str, tuple[str, float]], searched: Mapping[str, str] | None = None) -> str:
     """``coordprep 12s | group 3f2a1b9c0d11: sharing 2.83x (... prepared, ... served), stall 0.03 (4 trials reported)``.
 
     Args:
         elapsed_s: Seconds since the sweep started.
         reports: The registry's group reports (``samples_prepared``, ``samples_served``).
         stalls: Per trial id: (group key, the stall fraction of its last reported epoch).
+        searched: Per group key: its searched data values, short (``pipeline.scale.0=0.34``), shown
+            after the key (``group 3f2a1b9c0d11 (pipeline.scale.0=0.34): ...``).
     """
     parts = [f"coordprep {elapsed_s:.0f}s"]
     for group in sorted(set(reports) | {g for g, _ in stalls.values()}):
@@ -33,7 +36,8 @@ def format_progress(elapsed_s: float, reports: Mapping[str, Mapping[str, Any]],
         sharing = f"{served / prepared:.2f}x" if prepared else "-"
         stall = f"{sum(values) / len(values):.2f}" if values else "-"
         trials = f"{len(values)} trial{'' if len(values) == 1 else 's'}"
-        parts.append(f"group {group}: sharing {sharing} ({prepared:,} prepared, {served:,} served), "
+        label = f" ({searched[group]})" if searched and searched.get(group) else ""
+        parts.append(f"group {group}{label}: sharing {sharing} ({prepared:,} prepared, {served:,} served), "
                      f"stall {stall} ({trials} reported)")
     if len(parts) == 1:
         parts.append("no data group yet")
@@ -58,18 +62,22 @@ class ProgressLine(tune.Callback):
         self._last = float("-inf")
         self._pending: Any = None
         self._stalls: dict[str, tuple[str, float]] = {}
+        self._searched: dict[str, str] = {}
 
     def __getstate__(self) -> dict[str, Any]:  # Tune saves its callbacks with the sweep: no stream, no refs
         return {"_every_s": self._every_s}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _reports=lambda: None, _out=None, _start=time.monotonic(), _last=float("-inf"),
-                             _pending=None, _stalls={})
+                             _pending=None, _stalls={}, _searched={})
 
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
         spec = trial.config.get("data")
+        if isinstance(spec, Mapping):  # Tune domains inside a plain dict: the trial that reported built it alike
+            spec = DataSpec.from_mapping(spec)
         if isinstance(spec, DataSpec) and isinstance(result.get("stall_fraction"), (int, float)):
             self._stalls[trial.trial_id] = (spec.group_key, float(result["stall_fraction"]))
+            self._searched[spec.group_key] = format_searched(searched_data(trial.config))
 
     def on_step_end(self, iteration: int, trials: list, **info: Any) -> None:
         import ray
@@ -99,5 +107,5 @@ class ProgressLine(tune.Callback):
     def _write(self, reports: Mapping[str, Mapping[str, Any]]) -> None:
         self._pending = None
         self._last = time.monotonic()
-        self._out.write(format_progress(self._last - self._start, reports, self._stalls) + "\n")
+        self._out.write(format_progress(self._last - self._start, reports, self._stalls, self._searched) + "\n")
         self._out.flush()

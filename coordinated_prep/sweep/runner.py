@@ -213,10 +213,14 @@ def _echo_name(value: Any) -> str:
 
 
 def _trial_row(result: Any, metric: str) -> dict[str, Any]:
+    from coordinated_prep.spec import DataSpec
+
     m = result.metrics or {}
     config = {k: v for k, v in (result.config or {}).items() if k != "data" and not k.startswith("__")}
+    spec = (result.config or {}).get("data")
     return {
         "trial": m.get("trial_id") or os.path.basename(str(result.path)),
+        "group": spec.group_key if isinstance(spec, DataSpec) else None,
         "status": "ERROR" if result.error else "TERMINATED",
         "error": str(result.error).splitlines()[0] if result.error else None,
         "epochs": m.get("epoch"), metric: m.get(metric), "stall_fraction": m.get("stall_fraction"),

@@ -22,8 +22,30 @@ def build_summary(trials: Sequence[Mapping[str, Any]], groups: Mapping[str, Mapp
     for key, g in groups.items():
         prepared, served = g.get("samples_prepared", 0), g.get("samples_served", 0)
         group_rows[key] = dict(g, saving=(served / prepared) if prepared else None)
+    for t in trials:  # a group's trials share their searched data values (equal values, one group)
+        values = searched_data(t.get("config") or {})
+        if values and t.get("group") in group_rows:
+            group_rows[t["group"]].setdefault("searched", values)
     return {"metric": metric, "mode": mode, "best_trial": best, "trials": list(trials), "groups": group_rows,
             "caches": dict(caches or {}), "evaluation": dict(evals or {}), "decoded": dict(decoded or {})}
+
+
+def searched_data(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The data keys of a trial config (``data.pipeline.scale.0``: the values a sweep searched inside ``data``)."""
+    return {k: v for k, v in config.items() if k.startswith("data.")}
+
+
+def format_searched(values: Mapping[str, Any]) -> str:
+    """``pipeline.scale.0=0.3416, seed=1``: searched data values, short (floats to 4 significant digits)."""
+    return ", ".join(f"{k.removeprefix('data.')}={_short(v)}" for k, v in values.items())
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_short(v) for v in value) + "]"
+    return str(value)
 
 
 def write_summary(summary: Mapping[str, Any], directory: str) -> str:
@@ -56,15 +78,18 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     ))
     lines.append("")
     rows = []
+    searched = any(g.get("searched") for g in summary["groups"].values())
     for key, g in summary["groups"].items():
-        rows.append([key, g.get("dataset"), g.get("samples_prepared"), g.get("samples_served"),
+        rows.append([key] + ([format_searched(g.get("searched") or {}) or "-"] if searched else []) + [
+                     g.get("dataset"), g.get("samples_prepared"), g.get("samples_served"),
                      _num(g.get("saving"), "{:.2f}x"), _num(g.get("peak_staged_bytes", 0) / 2**20, "{:.1f}"),
                      _num(g.get("fetch_s"), "{:.1f}"), _num(g.get("transform_s"), "{:.1f}"),
                      _num(g.get("put_s"), "{:.1f}"), g.get("evictions", 0), g.get("released_dead", 0),
                      _num(g.get("stall_s"), "{:.1f}"), len(g.get("nodes", [])) or "-"])
     if rows:
-        lines.append(format_table(["group", "dataset", "prepared", "served", "saving", "peak MiB", "fetch s",
-                                   "decode+aug s", "put s", "detached", "released", "stall s", "nodes"], rows))
+        lines.append(format_table(["group"] + (["searched data"] if searched else [])
+                                  + ["dataset", "prepared", "served", "saving", "peak MiB", "fetch s", "decode+aug s",
+                                     "put s", "detached", "released", "stall s", "nodes"], rows))
     else:
         lines.append("No coordinated data groups (coordinated: false): every trial prepared its own data.")
     if summary.get("resumed"):
