@@ -11,7 +11,7 @@ import numpy as np
 import ray
 from ray import tune
 
-from coordinated_prep import CoordinatedSearcher, DataSpec
+from coordinated_prep import CoordinatedSearcher, DataSpec, PoolSpec
 from coordinated_prep.cache import CacheSpec, LruPolicy
 from coordinated_prep.cache.actor import RawCache, Region
 from coordinated_prep.cache.arena import ArenaReader
@@ -84,7 +84,9 @@ def test_every_group_on_the_node_shares_one_cache_and_storage_is_read_once(ray_s
     train, _ = holdout_split(len(source), 0.1)
     specs = [DataSpec(dataset=small_dataset, pipeline={"size": size}, seed=1, chunk_size=8, segments=4)
                       for size in (32, 24)]  # two data groups, one dataset
-    searcher = CoordinatedSearcher(cache=CacheSpec("64MiB"))  # holds the whole dataset
+    # The raw cache alone (it holds the whole dataset): the decoded tier would serve the later epochs and
+    # the second group from decoded samples, without a read (tests/test_tier.py).
+    searcher = CoordinatedSearcher(cache=CacheSpec("64MiB"), pool=PoolSpec(decoded_fraction=0))
     with FileOpens(small_dataset) as opens:
         analysis = tune.run(
             tune.with_resources(record, {"cpu": 0.25}),

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from ray import tune
 
-from coordinated_prep import CoordinatedSearcher, DataSpec
+from coordinated_prep import CoordinatedSearcher, DataSpec, PoolSpec
 from coordinated_prep.cache import CacheSpec
 from coordinated_prep.metrics import DEFINITIONS
 from coordinated_prep.plan import holdout_split
@@ -87,7 +87,9 @@ def test_metrics_are_scraped_during_a_sweep_with_plausible_values(ray_session, s
                     staging_bytes=64 * 8 * 3 * 32 * 32)
     group, epochs = spec.group_key, 2
     during: list[dict] = []
-    searcher = CoordinatedSearcher(cache=CacheSpec("32MiB"))
+    # A decoded tier of one byte: its series are exported, and it keeps nothing, so every epoch reads
+    # through the node cache, whose counts this test checks.
+    searcher = CoordinatedSearcher(cache=CacheSpec("32MiB"), pool=PoolSpec(decoded_bytes=1))
     try:
         with polling(lambda: during.append(scrape())):  # the scraper Prometheus would be, while the sweep runs
             analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}),
@@ -137,6 +139,9 @@ def test_metrics_are_scraped_during_a_sweep_with_plausible_values(ray_session, s
     held = len(holdout_split(len(open_source(spec.dataset)), spec.holdout)[1])
     n = len(train_ids(spec)) + held
     assert {value(s, "cache_capacity_bytes", node=node) for s in during} - {None} == {32 * 2**20}
+    assert {value(s, "decoded_capacity_bytes", node=node) for s in during} - {None} == {1}
+    for name in ("decoded_hits", "decoded_bytes"):  # the tier's actor leaves with the sweep: seen while it ran
+        assert {value(s, name, node=node) for s in during} - {None} == {0}, name
     assert value(final, "storage_reads", node=node, reader="cache") == n
     assert value(final, "cache_misses", node=node) >= n  # a request sharing an in-flight load is a miss too
     # Hits served from a snapshot are counted by the prep actors, which the group's close may kill

@@ -190,6 +190,12 @@ def test_a_continuous_domain_on_a_pipeline_key_gives_each_trial_its_own_group(ra
         assert group["searched"] == {"data.pipeline.scale.0": config["data.pipeline.scale.0"]}
         assert f"group {key} (pipeline.scale.0=" in progress.getvalue().splitlines()[-1]
     assert "searched data" in format_summary(summary)
+    # Different tails (crop scales), one prefix (the decode): the decoded tier decoded each sample once
+    # for both groups, whichever ran first.
+    n = next(iter(groups.values()))["samples_per_epoch"]
+    [tier] = summary["decoded"].values()
+    assert sum(g["decodes"] for g in groups.values()) == n == tier["samples"], (groups, tier)
+    assert sum(g["tier_hits"] for g in groups.values()) == sum(g["samples_prepared"] for g in groups.values()) - n
 
 
 def test_a_grid_on_a_pipeline_key_forms_one_group_per_value(ray_session, small_dataset, tmp_path):
