@@ -214,19 +214,13 @@ def _prepare_split(pipeline: Any, layout: Layout, seed: int, epoch: int, indices
                    decoded: Decoded | None) -> tuple[PreparedChunk, ChunkTiming]:
     """:func:`prepare_chunk` for a pipeline with a prefix: prefix outputs (kept, or made here), then tails."""
 
-    def produce(ids: list[int]) -> list[Any]:
+    def produce(ids: list[int]) -> list[Any]:  # per sample its prefix output, or the SampleError making it
         out: list[Any] = []
         for index, raw in zip(ids, pipeline.fetch(ids, seed, epoch)):
-            if isinstance(raw, SampleError):
-                out.append(raw)
-                continue
             try:
-                out.append(pipeline.prefix(raw, index))
-            except StructureError:
-                raise
-            except Exception as e:  # decoders raise RuntimeError/ValueError/OSError, transforms anything
-                out.append(SampleError(index, pipeline.describe(index), f"cannot decode or transform: "
-                                                                          f"{type(e).__name__}: {e}"))
+                out.append(_sample(pipeline, index, raw, lambda r: pipeline.prefix(r, index)))
+            except SampleError as error:
+                out.append(error)
         return out
 
     t0 = time.perf_counter()
@@ -241,15 +235,7 @@ def _prepare_split(pipeline: Any, layout: Layout, seed: int, epoch: int, indices
     kept: list[int] = []
     for index, packed in zip(ids, outputs):
         try:
-            if isinstance(packed, SampleError):
-                raise packed
-            try:
-                out = pipeline.tail(packed, seed, epoch, index, views)
-            except (StructureError, SampleError):
-                raise
-            except Exception as e:
-                raise SampleError(index, pipeline.describe(index),
-                                  f"cannot decode or transform: {type(e).__name__}: {e}") from e
+            out = _sample(pipeline, index, packed, lambda p: pipeline.tail(p, seed, epoch, index, views))
         except SampleError as error:
             if on_error == "raise":
                 raise
@@ -261,6 +247,20 @@ def _prepare_split(pipeline: Any, layout: Layout, seed: int, epoch: int, indices
     rows = [layout.check(sample, kept[k], "data") for v in range(views) for k, sample in enumerate(per_view[v])]
     chunk = stack(layout, rows, np.tile(np.asarray(kept, dtype=np.int64), views), epoch, views, alloc)
     return chunk, ChunkTiming(t1 - t0, time.perf_counter() - t1, tuple(skipped), decodes=decodes, tier_hits=hits)
+
+
+def _sample(pipeline: Any, index: int, value: Any, call: Callable[[Any], Any]) -> Any:
+    """``call(value)`` for sample ``index``: a SampleError ``value`` raised as it is, and any error of
+    the call (decoders raise RuntimeError/ValueError/OSError, transforms anything) as a SampleError
+    naming the sample; a StructureError stays one (no sample of the pipeline can be trusted then)."""
+    if isinstance(value, SampleError):
+        raise value
+    try:
+        return call(value)
+    except (StructureError, SampleError):
+        raise
+    except Exception as e:
+        raise SampleError(index, pipeline.describe(index), f"cannot decode or transform: {type(e).__name__}: {e}") from e
 
 
 def _prepare(pipeline: Any, layout: Layout, seed: int, epoch: int, indices: np.ndarray, on_error: str, views: int,
@@ -328,15 +328,7 @@ def eval_chunk(pipeline: Any, layout: Layout, seed: int, indices: np.ndarray,
     ids = [int(i) for i in indices]
     for index, raw in zip(ids, pipeline.fetch(ids, seed, -1)):
         try:
-            if isinstance(raw, SampleError):
-                raise raw
-            try:
-                sample = pipeline.eval(raw, seed, index)
-            except StructureError:
-                raise
-            except Exception as e:
-                raise SampleError(index, pipeline.describe(index),
-                                  f"cannot decode or transform: {type(e).__name__}: {e}") from e
+            sample = _sample(pipeline, index, raw, lambda r: pipeline.eval(r, seed, index))
         except SampleError as error:
             if on_error == "raise":
                 raise

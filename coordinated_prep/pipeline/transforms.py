@@ -171,12 +171,7 @@ class UserPipeline:
     def train(self, raw: Any, seed: int, epoch: int, index: int, views: int) -> list[Any]:
         if self._encoded:
             return self.tail(self.prefix(raw, index), seed, epoch, index, views)
-        with preserved():
-            out = []
-            for view in range(views):
-                reseed(key_seed(seed, epoch, index, view))
-                out.append(self._train(raw) if self._train is not None else raw)
-            return out
+        return self._views(raw, seed, epoch, index, views)
 
     def prefix(self, raw: Any, index: int) -> tuple[np.ndarray, bool]:
         """Decode and run the prefix's steps: the same output whatever the seed or epoch."""
@@ -187,7 +182,10 @@ class UserPipeline:
 
     def tail(self, packed: tuple[np.ndarray, bool], seed: int, epoch: int, index: int, views: int) -> list[Any]:
         """The rest of the training transform on ``(image, label)``, per view seeded by (seed, epoch, index, view)."""
-        sample = (unpack(packed), int(self.dataset.source.labels[index]))
+        return self._views((unpack(packed), int(self.dataset.source.labels[index])), seed, epoch, index, views)
+
+    def _views(self, sample: Any, seed: int, epoch: int, index: int, views: int) -> list[Any]:
+        """The training transform of ``sample`` once per view, seeded by (seed, epoch, index, view)."""
         with preserved():
             out = []
             for view in range(views):

@@ -1,10 +1,11 @@
 """A prep actor's side of the node's decoded tier: claim, decode what is its own, commit, wait.
 
-For one piece (:meth:`TierClient.outputs`): one ``claim`` call answers every sample (kept, yours,
-being decoded elsewhere, or decode-and-keep-to-yourself); the prep actor reads and runs the prefix
-for its own and the unkept samples, sends its own to the tier in one ``commit`` call (the tier
-puts them into the object store, as one object it owns), and only then waits for the samples other
-prep actors are decoding (so waits never form a cycle: :mod:`coordinated_prep.tier.book`). A wait ends by the claim's deadline at the
+For one piece (:meth:`TierClient.outputs`), a part at a time: one ``claim`` call answers every
+sample of the part (kept, yours, being decoded elsewhere, or decode-and-keep-to-yourself); the prep
+actor reads and runs the prefix for its own and the unkept samples and sends its own to the tier in
+one ``commit`` call (the tier puts them into the object store, as one object it owns). Only after its
+last part does it wait for the samples other prep actors are decoding, so waits never form a cycle
+(:mod:`coordinated_prep.tier.book`). A wait ends by the claim's deadline at the
 latest; what it did not get, the prep actor decodes itself. If the tier cannot be reached (it died
 with its node, or a call timed out), the prep actor decodes everything itself from then on and says
 so once: the tier only ever saves work, it is never needed for progress.
@@ -25,7 +26,8 @@ from coordinated_prep.tier.book import MINE, SELF, WAIT, Hit
 logger = logging.getLogger(__name__)
 
 _CALL_TIMEOUT_S = 30.0  # a claim, commit or release: bookkeeping only, answered at once
-_HELD_OBJECTS = 64  # kept objects a prep actor holds mapped (each a piece's outputs, zero-copy)
+_HELD_OBJECTS = 256  # kept objects a prep actor holds mapped (each up to a claim's outputs, zero-copy)
+_CLAIM_BATCH = 64  # samples per claim while a piece has misses (4 claims and commits per 256-sample piece)
 
 
 class TierClient:
@@ -48,30 +50,27 @@ class TierClient:
         """Per index of ``ids``, its prefix output (or the SampleError making it raised); and how many
         were made here (decodes) and how many came from the tier (hits).
 
-        ``produce(indices)`` reads and runs the prefix of ``indices`` in this process.
+        ``produce(indices)`` reads and runs the prefix of ``indices`` in this process. The piece is
+        claimed ``_CLAIM_BATCH`` samples at a time, each part decoded and committed before the next
+        is claimed, so that two prep actors preparing the same samples for two groups (groups of one
+        seed cut the same pieces) split the decoding between them instead of one waiting for the
+        other's whole piece; once a part is all hits, the rest is claimed at once.
         """
-        if self.broken is not None:
-            return produce(ids), len(ids), 0
         values: list[Any] = [None] * len(ids)
-        try:
-            answers, boxes = ray.get(self.tier.claim.remote(prefix, ids, self.who), timeout=_CALL_TIMEOUT_S)
-            hits = self._fill(values, answers, boxes)
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
-            self._broke(e)
-            return produce(ids), len(ids), 0
-        todo = [k for k, a in enumerate(answers) if a in (MINE, SELF)]
-        try:
-            made = produce([ids[k] for k in todo])
-        except BaseException:  # a structure error, an interrupt: the claims end now, not at their deadline
-            mine = [ids[k] for k in todo if answers[k] == MINE]
-            if mine:
-                self.tier.release.remote(prefix, mine, self.who)
-            raise
-        for k, value in zip(todo, made):
-            values[k] = value
-        decodes = len(todo)
-        self._offer(prefix, ids, values, [k for k in todo if answers[k] == MINE])
-        waits = [k for k, a in enumerate(answers) if a == WAIT]
+        decodes = hits = 0
+        waits: list[int] = []
+        start = 0
+        while start < len(ids):
+            step = _CLAIM_BATCH if start == 0 or decodes or waits else len(ids) - start
+            part = list(range(start, min(len(ids), start + step)))
+            start += len(part)
+            if self.broken is not None:
+                for k, value in zip(part, produce([ids[k] for k in part])):
+                    values[k] = value
+                decodes += len(part)
+                continue
+            made, got, wait = self._claim(prefix, ids, part, values, produce)
+            decodes, hits, waits = decodes + made, hits + got, waits + wait
         if waits:
             try:
                 later, boxes = ray.get(self.tier.wait.remote(prefix, [ids[k] for k in waits]),
@@ -88,6 +87,33 @@ class TierClient:
             for k, value in zip(waits, sub):
                 values[k] = value
         return values, decodes, hits
+
+    def _claim(self, prefix: str, ids: list[int], part: list[int], values: list[Any],
+               produce: Callable[[list[int]], list[Any]]) -> tuple[int, int, list[int]]:
+        """Claim the samples at positions ``part``; fill the hits, make and commit this actor's own and
+        the unkept; the decodes, the hits, and the positions to wait for."""
+        try:
+            answers, boxes = ray.get(self.tier.claim.remote(prefix, [ids[k] for k in part], self.who),
+                                     timeout=_CALL_TIMEOUT_S)
+            sub: list[Any] = [None] * len(part)
+            hits = self._fill(sub, answers, boxes)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+            self._broke(e)
+            answers, sub, hits = [SELF] * len(part), [None] * len(part), 0
+        todo = [j for j, a in enumerate(answers) if a in (MINE, SELF)]
+        try:
+            made = produce([ids[part[j]] for j in todo])
+        except BaseException:  # a structure error, an interrupt: the claims end now, not at their deadline
+            mine = [ids[part[j]] for j in todo if answers[j] == MINE]
+            if mine and self.broken is None:
+                self.tier.release.remote(prefix, mine, self.who)
+            raise
+        for j, value in zip(todo, made):
+            sub[j] = value
+        for j, k in enumerate(part):
+            values[k] = sub[j]
+        self._offer(prefix, ids, values, [part[j] for j in todo if answers[j] == MINE])
+        return len(todo), hits, [part[j] for j, a in enumerate(answers) if a == WAIT]
 
     def _offer(self, prefix: str, ids: list[int], values: list[Any], mine: list[int]) -> None:
         """Commit this actor's claims that it decoded; release those it could not."""
