@@ -30,7 +30,7 @@ WHO = ("a", "b", "c")
 
 
 class TierMachine(RuleBasedStateMachine):
-    """Random claims, commits, releases, drops and the passing of time by three prep actors on two
+    """Random claims, commits, releases and the passing of time by three prep actors on two
     prefixes; after every step the book is consistent, and every wait ends by its claim's deadline."""
 
     def __init__(self) -> None:
@@ -84,11 +84,6 @@ class TierMachine(RuleBasedStateMachine):
     def time_passes(self, seconds):
         self.now += seconds
 
-    @rule(prefix=st.sampled_from(["p", "q"]))
-    def drop(self, prefix):
-        self.book.drop(prefix)
-        assert not any(p == prefix for p, _ in self.book.entries)
-
     @invariant()
     def budget_and_entries_are_consistent(self):
         assert 0 <= self.book.used <= self.book.capacity
@@ -117,15 +112,14 @@ TestTierBook = TierMachine.TestCase
 TestTierBook.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
-def test_a_full_tier_refuses_without_evicting_and_a_drop_reopens_it():
+def test_a_full_tier_refuses_without_evicting_anything():
     book = TierBook(capacity=10, claim_timeout_s=1.0)
     assert book.claim("p", [0, 1], "a", 0.0) == [MINE, MINE]
     oid = book.commit("p", [0, 1], 8, "a")
     assert book.claim("p", [0, 1, 2], "b", 0.0) == [Hit(oid, 0), Hit(oid, 1), MINE]
     assert book.commit("p", [2], 4, "b") is None and book.full  # 12 > 10: not kept, nothing evicted
     assert book.claim("p", [0, 3], "c", 0.0) == [Hit(oid, 0), SELF]  # full: decode it yourself, do not offer
-    assert book.drop("p") == [oid] and book.used == 0 and not book.full
-    assert book.claim("p", [0], "c", 0.0) == [MINE]
+    assert book.used == 8 and book.entries[("p", 1)] == Hit(oid, 1)  # what was kept stays
 
 
 def test_a_restarted_prep_actor_finds_its_claims_its_own_and_others_wait_only_until_the_deadline():
@@ -153,6 +147,27 @@ def test_the_prefix_is_the_leading_deterministic_steps_and_its_key_their_paramet
     assert split_transform(v2.Compose([MyResize(32), rrc]))[0] == []
     assert prefix_key("d", [v2.Resize(32)]) == prefix_key("d", [v2.Resize(32)]) != prefix_key("d", [v2.Resize(40)])
     assert prefix_key("d", []) == "decode:d" != prefix_key("e", [])
+    # a repr may leave a parameter out (v2.ToDtype prints no dtype): the key has every public attribute
+    f32, f16 = v2.ToDtype(torch.float32, scale=True), v2.ToDtype(torch.float16, scale=True)
+    assert repr(f32) == repr(f16) and prefix_key("d", [f32]) != prefix_key("d", [f16])
+
+
+def test_a_prefix_output_comes_back_as_the_kind_it_was_in_fresh_memory():
+    from torchvision import tv_tensors
+
+    from coordinated_prep.errors import StructureError
+    from coordinated_prep.pipeline.split import pack, unpack
+
+    image = tv_tensors.Image(torch.arange(12, dtype=torch.uint8).reshape(3, 2, 2))
+    for value, kind in ((image, tv_tensors.Image), (image.as_subclass(torch.Tensor), torch.Tensor),
+                        (np.arange(4.0), np.ndarray)):
+        packed = pack(value, "here")
+        packed[0].flags.writeable = False  # as a kept output lies in the object store
+        back = unpack(packed)
+        assert type(back) is kind and np.array_equal(np.asarray(back), np.asarray(value))
+        back[...] = 0  # the tail may write: its own copy
+    with pytest.raises(StructureError, match="here: .*Mask"):
+        pack(tv_tensors.Mask(torch.zeros(2, 2)), "here")
 
 
 def test_the_built_in_crop_and_a_user_transform_share_the_decode(small_dataset):
@@ -306,7 +321,7 @@ def test_a_wait_on_a_claim_that_is_never_committed_ends_at_its_deadline(ray_sess
 
     def produce(ids):
         made.extend(ids)
-        return [(np.full(4, i, dtype=np.uint8), False) for i in ids]
+        return [(np.full(4, i, dtype=np.uint8), "array") for i in ids]
 
     values, decodes, hits = TierClient(tier, "me", 1.0).outputs("p", [1, 2, 3], produce)
     assert made == [3, 1, 2] and (decodes, hits) == (3, 0)  # its own first, then the expired ones

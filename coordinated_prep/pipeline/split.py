@@ -22,9 +22,9 @@ share one. Not split: the DALI backend (it decodes only each crop's window), joi
 (decode only is their prefix), and map-style datasets of the user's (``dataset[i]`` may be random;
 nothing of it is kept across epochs).
 
-A prefix output travels as ``(array, image)``: the decoded tensor's bytes as a NumPy array and
-whether it was a ``tv_tensors.Image`` (:func:`pack`, :func:`unpack`), so that a kept output is
-rebuilt as exactly what the unshared pipeline passes to its tail.
+A prefix output travels as ``(array, kind)``: its bytes as a NumPy array and whether it was a
+``tv_tensors.Image``, a plain tensor or an array (:func:`pack`, :func:`unpack`), so that a kept output
+is rebuilt as what the unshared pipeline passes to its tail (another ``tv_tensors`` type is refused).
 """
 
 from __future__ import annotations
@@ -82,15 +82,16 @@ def split_transform(transform: Any) -> tuple[list[Any], Any]:
 
 
 def prefix_key(dataset: str, steps: Sequence[Any]) -> str:
-    """The identity of a prefix: the dataset and each step's type and parameters (torchvision's
-    transforms print every parameter; a step of the user's enters by the hash of its pickle)."""
+    """The identity of a prefix: the dataset and each step's type and parameters (a torchvision
+    step's public attributes; a step of the user's enters by the hash of its pickle)."""
     from coordinated_prep.pipeline.datasets import object_key
 
     parts = [f"decode:{dataset}"]
     for step in steps:
         name = f"{type(step).__module__}.{type(step).__qualname__}"
-        if type(step) in deterministic_types():
-            parts.append(f"{name}:{step!r}")
+        if type(step) in deterministic_types():  # every public attribute: a repr may leave some out (a dtype)
+            state = sorted((k, repr(v)) for k, v in vars(step).items() if not k.startswith("_") and k != "training")
+            parts.append(f"{name}:{state}")
         else:
             parts.append(f"{name}:{object_key(step, 'data.transform')}")
     if len(parts) == 1:
@@ -98,36 +99,43 @@ def prefix_key(dataset: str, steps: Sequence[Any]) -> str:
     return f"{parts[0]}|{hashlib.sha256('|'.join(parts[1:]).encode()).hexdigest()[:12]}"
 
 
-def pack(output: Any, where: str) -> tuple[np.ndarray, bool]:
-    """A prefix output (a tensor) as ``(contiguous array, whether it was a tv_tensors.Image)``."""
+#: What a packed prefix output was: a ``tv_tensors.Image``, a plain tensor, or a NumPy array.
+IMAGE, TENSOR, ARRAY = "image", "tensor", "array"
+
+
+def pack(output: Any, where: str) -> tuple[np.ndarray, str]:
+    """A prefix output as ``(contiguous array, IMAGE | TENSOR | ARRAY)``: its bytes and its kind."""
     import torch
     from torchvision import tv_tensors
 
     if isinstance(output, np.ndarray):
-        return np.ascontiguousarray(output), False
-    if not isinstance(output, torch.Tensor) or output.dtype == torch.bfloat16:
+        return np.ascontiguousarray(output), ARRAY
+    if (not isinstance(output, torch.Tensor) or output.dtype == torch.bfloat16
+            or (isinstance(output, tv_tensors.TVTensor) and not isinstance(output, tv_tensors.Image))):
         from coordinated_prep.errors import StructureError
 
         raise StructureError(
             f"{where}: the deterministic prefix (decode and the leading deterministic transforms) gave a "
-            f"{type(output).__name__}{'' if not isinstance(output, torch.Tensor) else ' of bfloat16'}, not a tensor "
-            "the decoded tier can keep; move the step that makes it after the first random step, or set "
-            "deterministic = False on it")
+            f"{type(output).__name__}{' of bfloat16' if getattr(output, 'dtype', None) == torch.bfloat16 else ''}, "
+            "not an image, tensor or array the decoded tier can keep; move the step that makes it after the first "
+            "random step, or set deterministic = False on it")
     array = output.as_subclass(torch.Tensor).contiguous().numpy()
-    return array, isinstance(output, tv_tensors.Image)
+    return array, IMAGE if isinstance(output, tv_tensors.Image) else TENSOR
 
 
-def unpack(packed: tuple[np.ndarray, bool]) -> Any:
-    """The tensor :func:`pack` took, in fresh memory (the tail may change it in place: a kept
-    output lies read-only in the object store, and other groups read it after)."""
+def unpack(packed: tuple[np.ndarray, str]) -> Any:
+    """What :func:`pack` took, of the same kind, in fresh memory (the tail may change it in place: a
+    kept output lies read-only in the object store, and other groups read it after)."""
     import torch
     from torchvision import tv_tensors
 
-    array, image = packed
-    tensor = torch.from_numpy(np.array(array, copy=True))
-    return tv_tensors.Image(tensor) if image else tensor
+    array, kind = packed
+    array = np.array(array, copy=True)
+    if kind == ARRAY:
+        return array
+    return tv_tensors.Image(torch.from_numpy(array)) if kind == IMAGE else torch.from_numpy(array)
 
 
-def packed_bytes(values: Sequence[tuple[np.ndarray, bool]]) -> int:
+def packed_bytes(values: Sequence[tuple[np.ndarray, str]]) -> int:
     """Bytes a list of packed outputs takes in the object store."""
     return sum(int(v[0].nbytes) for v in values)

@@ -27,7 +27,7 @@ import numpy as np
 from coordinated_prep.errors import ConfigError, SampleError
 from coordinated_prep.pipeline.datasets import EncodedImages, build
 from coordinated_prep.pipeline.seeding import _FETCH, key_seed, preserved, reseed
-from coordinated_prep.pipeline.split import pack, prefix_key, split_transform, unpack
+from coordinated_prep.pipeline.split import IMAGE, pack, prefix_key, split_transform, unpack
 
 
 class Pipeline(Protocol):
@@ -93,11 +93,11 @@ class ImagePipeline:
             return [(self.preprocessor.train(raw, seed, epoch, index), label)]
         return [(image, label) for image in self.preprocessor.train_views(raw, seed, epoch, index, views)]
 
-    def prefix(self, raw: Any, index: int) -> tuple[np.ndarray, bool]:
+    def prefix(self, raw: Any, index: int) -> tuple[np.ndarray, str]:
         """The decoded image, packed as a ``tv_tensors.Image`` (as a user transform's prefix packs it)."""
-        return np.ascontiguousarray(self.preprocessor.decode(raw).numpy()), True
+        return np.ascontiguousarray(self.preprocessor.decode(raw).numpy()), IMAGE
 
-    def tail(self, packed: tuple[np.ndarray, bool], seed: int, epoch: int, index: int, views: int) -> list[Any]:
+    def tail(self, packed: tuple[np.ndarray, str], seed: int, epoch: int, index: int, views: int) -> list[Any]:
         """The crop and flip of each view, from a decoded image (copied: a kept one is read-only)."""
         import torch
 
@@ -173,14 +173,14 @@ class UserPipeline:
             return self.tail(self.prefix(raw, index), seed, epoch, index, views)
         return self._views(raw, seed, epoch, index, views)
 
-    def prefix(self, raw: Any, index: int) -> tuple[np.ndarray, bool]:
+    def prefix(self, raw: Any, index: int) -> tuple[np.ndarray, str]:
         """Decode and run the prefix's steps: the same output whatever the seed or epoch."""
         image, _ = self.dataset.decode(raw, index)
         for step in self.steps:
             image = step(image)
         return pack(image, f"data.transform (sample {index}, {self.describe(index)})")
 
-    def tail(self, packed: tuple[np.ndarray, bool], seed: int, epoch: int, index: int, views: int) -> list[Any]:
+    def tail(self, packed: tuple[np.ndarray, str], seed: int, epoch: int, index: int, views: int) -> list[Any]:
         """The rest of the training transform on ``(image, label)``, per view seeded by (seed, epoch, index, view)."""
         return self._views((unpack(packed), int(self.dataset.source.labels[index])), seed, epoch, index, views)
 

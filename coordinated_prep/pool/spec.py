@@ -72,6 +72,10 @@ class PoolSpec:
                               "tier; with staging's share it must leave the trials part of the object store)")
         if self.decoded_bytes is not None:
             object.__setattr__(self, "decoded_bytes", parse_bytes(self.decoded_bytes, "pool.decoded_bytes", minimum=0))
+        elif self.staging_bytes is None and self.staging_fraction + self.decoded_fraction > 0.9:
+            raise ConfigError(f"pool.staging_fraction={self.staging_fraction} and pool.decoded_fraction="
+                              f"{self.decoded_fraction} add up to more than 0.9 of the object store, which would "
+                              "leave the trials none and make it spill; lower one of them")
         if not isinstance(self.start_timeout_s, (int, float)) or self.start_timeout_s <= 0:
             raise ConfigError(f"pool.start_timeout_s={self.start_timeout_s!r} must be a positive number of seconds")
 

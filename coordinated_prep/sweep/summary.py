@@ -114,9 +114,9 @@ def format_summary(summary: Mapping[str, Any]) -> str:
              for node, t in tiers.items()],
         ))
         decodes = sum(g.get("decodes", 0) for g in summary["groups"].values())
-        prepared = sum(g.get("samples_prepared", 0) for g in summary["groups"].values())
-        lines.append(f"Prefix runs (read and decode) {decodes} for {prepared} samples prepared across the groups "
-                     f"({_num(decodes / prepared if prepared else None, '{:.2f}')} per sample)")
+        through = decodes + sum(g.get("tier_hits", 0) for g in summary["groups"].values())  # split pipelines only
+        lines.append(f"Prefix runs (read, decode and the deterministic steps) {decodes} for {through} samples "
+                     f"prepared through the tier ({_num(decodes / through if through else None, '{:.2f}')} per sample)")
     caches = summary.get("caches") or {}
     if caches:
         lines.append("")

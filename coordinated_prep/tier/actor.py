@@ -8,8 +8,8 @@ data group of the node whose pipeline has a shareable prefix uses it through its
 Ownership: a prep actor sends a piece's prefix outputs in its ``commit`` call; if they are kept, this
 actor puts them into the object store itself (one copy, once per sample and sweep), so the object is
 this actor's, not the prep actor's, and survives a prep actor's restart. The actor holds the reference
-of every kept object; :meth:`DecodedTier.drop` (the prefix's last group ended) and the actor's end
-free them. Outputs that were not kept are freed with the call's argument.
+of every kept object for the sweep; its end (with the node's pool) frees them. Outputs that were not
+kept are freed with the call's argument.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Hashable
 import ray
 
 from coordinated_prep import metrics
-from coordinated_prep.tier.book import WAIT, Hit, TierBook
+from coordinated_prep.tier.book import SELF, WAIT, Hit, TierBook
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
@@ -69,29 +69,26 @@ class DecodedTier:
 
     async def wait(self, prefix: str, indices: list[int]) -> tuple[list[Any], dict[int, Any]]:
         """Wait until no index is claimed by a live claim; per index then a Hit or SELF, and the
-        objects the hits lie in. Every wait ends by the earliest claim's deadline at the latest."""
+        objects the hits lie in. A wait ends within ``claim_timeout_s``: a key still claimed then
+        (claimed anew after an expiry) is SELF, for the waiter to decode."""
+        limit = time.monotonic() + self.book.claim_timeout_s
         while True:
-            answers, deadline = self.book.pending(prefix, indices, time.monotonic())
-            if deadline is None:
+            now = time.monotonic()
+            answers, deadline = self.book.pending(prefix, indices, now)
+            if deadline is None or now >= limit:
+                answers = [SELF if a == WAIT else a for a in answers]
                 return answers, self._boxes(answers)
             async with self.changed:
                 try:
-                    await asyncio.wait_for(self.changed.wait(), max(0.0, deadline - time.monotonic()) + 0.01)
+                    await asyncio.wait_for(self.changed.wait(), max(0.0, min(deadline, limit) - now) + 0.01)
                 except asyncio.TimeoutError:
-                    pass  # the claim expired: pending() now answers SELF for it
-
-    async def drop(self, prefix: str) -> int:
-        """Free everything kept for ``prefix``; the objects freed."""
-        freed = self.book.drop(prefix)
-        for oid in freed:
-            del self.refs[oid]
-        metrics.set_gauge("decoded_bytes", self.book.used, **self.tags)
-        async with self.changed:
-            self.changed.notify_all()
-        return len(freed)
+                    pass  # a claim expired, or the wait's limit came: looked at again above
 
     async def report(self) -> dict[str, Any]:
-        """Counters (hits, misses, waits, kept, refused, expired), bytes and samples kept, per prefix."""
+        """Counters, bytes and samples kept, per prefix. ``hits``: samples a claim found kept;
+        ``waits``: samples a claim found being decoded by another prep actor (most become hits after
+        the wait, which the groups' ``tier_hits`` count); ``misses``: samples claimed or left to the
+        asker; ``kept``, ``refused``: samples committed and kept or not; ``expired``: claims taken over."""
         counters = {k: self.book.stats.get(k, 0) for k in ("hits", "misses", "waits", "kept", "refused", "expired")}
         return dict(counters, node=self.node, capacity_bytes=self.book.capacity, used_bytes=self.book.used,
                     full=self.book.full, samples=len(self.book.entries), claims=len(self.book.claims),
@@ -101,4 +98,4 @@ class DecodedTier:
         return {a.oid: [self.refs[a.oid]] for a in answers if isinstance(a, Hit)}
 
 
-__all__ = ["DecodedTier", "WAIT"]
+__all__ = ["DecodedTier"]

@@ -18,20 +18,22 @@ Life cycle of a prefix output, by key ``(prefix, index)``:
    committing its own, so a wait always points to an earlier claim: there is no cycle.
 2. **Kept.** The claimer sends the piece's outputs to the tier's actor, which keeps them as one
    object it owns in the object store if the budget has room (:meth:`TierBook.commit`); they are
-   then served to every group of the prefix until the prefix is dropped.
+   then served to every group of the prefix for the rest of the sweep.
 3. **Expired.** A claim not committed within ``claim_timeout_s`` (its prep actor died, and Ray has
    not restarted it) expires: waiters decode the sample themselves. A restarted prep actor keeps its
    identity, so its retried piece finds its old claims still its own.
 4. **Refused.** Admission follows CoorDL's MinIO: nothing kept is evicted to make room (every epoch
    reads every sample once in a new order, so any kept sample is as good as any other), and once a
    commit does not fit, admission closes: later misses are decoded by whoever needs them (``SELF``)
-   and never offered. What was kept stays until :meth:`TierBook.drop` (the prefix's last group
-   ended, or the sweep did), which frees its bytes and reopens admission.
+   and never offered. What was kept stays for the sweep: the tier's actor, and its objects with it,
+   end with the node's prep pool.
 
 Invariants (checked after every step of the property test): ``used`` is the sum of the kept
 objects' bytes and at most ``capacity``; a kept key is never claimed; every kept key points into a
-kept object. Liveness: a key that is ``WAIT`` now is a hit or ``SELF`` once its claim's deadline has
-passed, whatever else happens.
+kept object. Liveness: with nobody acting, a key that is ``WAIT`` now is a hit or ``SELF`` once its
+claim's deadline has passed. Another actor may claim an expired key anew (and make it ``WAIT``
+again), so the actor's wait is also capped at ``claim_timeout_s`` from its start
+(:meth:`~coordinated_prep.tier.actor.DecodedTier.wait`): every wait ends within that.
 """
 
 from __future__ import annotations
@@ -164,21 +166,6 @@ class TierBook:
             else:
                 out.append(SELF)
         return out, deadline
-
-    def drop(self, prefix: str) -> list[int]:
-        """Forget everything of ``prefix`` (its last group ended); the ids of the objects freed."""
-        freed = [oid for oid, obj in self.objects.items() if obj.prefix == prefix]
-        for oid in freed:
-            obj = self.objects.pop(oid)
-            self.used -= obj.nbytes
-            for key in obj.keys:
-                if self.entries.get(key, Hit(-1, -1)).oid == oid:
-                    del self.entries[key]
-        for key in [k for k in self.claims if k[0] == prefix]:
-            del self.claims[key]
-        if freed:
-            self.full = self.capacity == 0
-        return freed
 
     def prefixes(self) -> dict[str, dict[str, int]]:
         """Per prefix: samples and bytes kept."""

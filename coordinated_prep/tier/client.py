@@ -71,7 +71,11 @@ class TierClient:
                 continue
             made, got, wait = self._claim(prefix, ids, part, values, produce)
             decodes, hits, waits = decodes + made, hits + got, waits + wait
-        if waits:
+        if waits and self.broken is not None:  # the tier failed meanwhile: decode them here
+            for k, value in zip(waits, produce([ids[k] for k in waits])):
+                values[k] = value
+            decodes += len(waits)
+        elif waits:
             try:
                 later, boxes = ray.get(self.tier.wait.remote(prefix, [ids[k] for k in waits]),
                                        timeout=self.claim_timeout_s + _CALL_TIMEOUT_S)
@@ -99,6 +103,10 @@ class TierClient:
             hits = self._fill(sub, answers, boxes)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
             self._broke(e)
+            try:  # the tier may have recorded claims before the call failed: they end now, not in 30 s
+                self.tier.release.remote(prefix, [ids[k] for k in part], self.who)
+            except Exception:  # the actor is gone: so are its claims
+                pass
             answers, sub, hits = [SELF] * len(part), [None] * len(part), 0
         todo = [j for j, a in enumerate(answers) if a in (MINE, SELF)]
         try:
