@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from coordinated_prep.echo import EchoSpec
     from coordinated_prep.loader import Batch, TrainLoader, eval_loader, train_loader
     from coordinated_prep.searcher import CoordinatedSearcher
+    from coordinated_prep.service import PrepService
 
 __all__ = [
     "Batch",
@@ -28,6 +29,7 @@ __all__ = [
     "PipelineSpec",
     "PoolSpec",
     "PrepError",
+    "PrepService",
     "SampleError",
     "TrainLoader",
     "eval_loader",
@@ -44,6 +46,7 @@ _LAZY = {
     "eval_loader": "coordinated_prep.loader",
     "train_loader": "coordinated_prep.loader",
     "CoordinatedSearcher": "coordinated_prep.searcher",
+    "PrepService": "coordinated_prep.service",
 }
 
 

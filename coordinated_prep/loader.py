@@ -12,18 +12,22 @@ import weakref
 from typing import Any, Generator, Iterator, Mapping
 
 from coordinated_prep import metrics
+from coordinated_prep.context import whereabouts
 from coordinated_prep.pipeline.batching import Batch, Batcher, BatchStats, batched
+from coordinated_prep.pipeline.shard import Shard, ShardBatcher
 from coordinated_prep.echo import EchoCounts, EchoSpec, echoed, epoch_rng
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.eval_stream import private_eval_pieces, shared_eval_pieces
 from coordinated_prep.spec import DataSpec
-from coordinated_prep.streams import PieceStream, PrivateStream, SharedStream
+from coordinated_prep.streams import PieceStream, PrivateStream, SharedStream, has_registry
 
 logger = logging.getLogger(__name__)
 
 _OUTSIDE_TUNE = "local"
 #: Loaders created per trial id in this process (a retry runs in a new process and counts afresh).
 _LOADERS: collections.Counter[str] = collections.Counter()
+#: Why sharing was off for a coordinated loader here, each said once per process (a loader per epoch is common).
+_WARNED: set[str] = set()
 
 
 def resolve_spec(config: Mapping[str, Any] | DataSpec, key: str = "data") -> DataSpec:
@@ -56,19 +60,24 @@ class TrainLoader:
         views: Augmented views per sample in the stream (``DataSpec.views``).
         seed: Seed of the echo buffer's draws (the data seed).
         pin_memory: Pin each batch one ahead in a background thread (see :func:`train_loader`).
+        shard: This rank's share of each epoch in a data-parallel trial
+            (:mod:`coordinated_prep.pipeline.shard`); None: the whole epoch.
     """
 
     def __init__(self, stream: PieceStream, batch_size: int, epochs: int | None = None,
                  tags: Mapping[str, str] | None = None, echo: EchoSpec | None = None, views: int = 1,
-                 seed: int = 0, pin_memory: bool = False) -> None:
+                 seed: int = 0, pin_memory: bool = False, shard: Shard | None = None) -> None:
         self._stream = stream
+        self.shard = shard
         self.batch_size = batch_size
         self.epochs = epochs
         self.data_wait_s = 0.0  # seconds spent blocked in this loader, all epochs together
         self._tags = dict(tags or {"group": "-", "trial": "-"})
+        self._trial = self._tags.get("trial", "-").split("@", 1)[0]
         metrics.declare_trial(self._tags.get("group", "-"), self._tags.get("trial", "-"))  # at 0 from the start
         self.epoch = 0
-        self.samples_per_epoch = stream.samples_per_epoch  # fresh samples per epoch
+        # fresh samples per epoch (this rank's share, its pads included, in a data-parallel trial)
+        self.samples_per_epoch = shard.samples(stream.samples_per_epoch) if shard else stream.samples_per_epoch
         self.echo = echo or EchoSpec()
         self.views = views
         self._seed = seed
@@ -88,6 +97,22 @@ class TrainLoader:
     def private_samples(self) -> int:
         """Samples this trial prepared itself (all of them unshared; after a lease detachment otherwise)."""
         return self._stream.private_samples
+
+    @property
+    def trial(self) -> str:
+        """The trial this loader reads for: the Tune trial id, ``train:<name>:<run>`` for a run of Ray
+        Train alone, or ``local`` (:mod:`coordinated_prep.context`)."""
+        return self._trial
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in a data-parallel trial (0 otherwise)."""
+        return self.shard.rank if self.shard else 0
+
+    @property
+    def world(self) -> int:
+        """The data-parallel trial's ranks (1 otherwise)."""
+        return self.shard.world if self.shard else 1
 
     @property
     def coordinator(self) -> str | None:
@@ -158,7 +183,12 @@ class TrainLoader:
             self._stream.skip_to(first)  # its rest is passed over, so this epoch is again exactly one pass
         self.epoch_counts = EchoCounts()
         pieces = (self._stream.next_piece() for _ in range(self._stream.chunks_per_epoch))
-        fresh = Batcher(pieces, self.batch_size, self.stats, self._stream.ready, self._stream.chunks_per_epoch)
+        if self.shard is None:
+            fresh = Batcher(pieces, self.batch_size, self.stats, self._stream.ready, self._stream.chunks_per_epoch)
+        else:  # global batches of world x batch_size, of which this rank takes its rows
+            whole = Batcher(pieces, self.batch_size * self.shard.world, self.stats, self._stream.ready,
+                            self._stream.chunks_per_epoch)
+            fresh = ShardBatcher(whole, self.batch_size, self.shard)  # type: ignore[assignment]
         yield from echoed(fresh, self.echo, epoch_rng(self._seed, self._stream.start, epoch))
 
     def close(self) -> None:
@@ -175,8 +205,9 @@ class TrainLoader:
 def train_loader(
     config: Mapping[str, Any] | DataSpec, batch_size: int, *, epochs: int | None = None, key: str = "data",
     prefetch: int | None = None, echo: Any = None, num_workers: int | None = None, pin_memory: bool = False,
+    drop_last: bool = False,
 ) -> TrainLoader:
-    """The training loader of a Tune trial.
+    """The training loader of a Tune trial, or of one rank of a data-parallel trial.
 
     With ``coordinated=True`` the batches come from the trial's data group, prepared once for
     all of its trials (requires ``search_alg=CoordinatedSearcher(...)``); otherwise the trial
@@ -201,9 +232,16 @@ def train_loader(
         pin_memory: Copy each batch's tensors into page-locked memory in a background thread, one
             batch ahead, so that ``.to(device, non_blocking=True)`` overlaps the next step (as a
             ``DataLoader``'s ``pin_memory``); without an accelerator it warns and does nothing.
+        drop_last: In a data-parallel trial, leave out the end of an epoch that does not split
+            evenly over the ranks instead of padding it with repeats (``DistributedSampler``'s
+            ``drop_last``; :mod:`coordinated_prep.pipeline.shard`).
 
-    Outside a Tune trial (a sweep's best config trained again, say) a coordinated spec is prepared
-    in this process, as with ``coordinated=False``. A trial may create several loaders (other
+    In a Ray Train worker (``TorchTrainer`` inside a Tune trial, or a run of Ray Train alone),
+    rank ``r`` of ``k`` reads its disjoint share of each of the trial's epochs, the same number of
+    batches on every rank; ``batch_size`` is per rank. The trial is found without plumbing
+    (:mod:`coordinated_prep.context`). Outside a Tune trial or Train worker (a sweep's best config
+    trained again, say) a coordinated spec is prepared in this process, as with
+    ``coordinated=False``, and a warning says why. A trial may create several loaders (other
     datasets, a second view, the same spec twice): each is its own consumer of its group.
 
     Raises:
@@ -221,21 +259,41 @@ def train_loader(
     if echo is None and isinstance(config, Mapping) and config.get("echo") not in (None, 1, "off"):
         warnings.warn(f"train_loader: the trial config has echo={config['echo']!r}, but echo= was not passed, so "
                       "this loader does not echo; pass train_loader(..., echo=config['echo'])", stacklevel=2)
+    if not isinstance(drop_last, bool):
+        raise ConfigError(f"train_loader: drop_last={drop_last!r} must be true or false")
     echo_spec = EchoSpec.parse(echo, "train_loader(echo=...)")
-    trial = _current_trial_id(required=False)
-    options = {"echo": echo_spec, "views": spec.views, "seed": spec.seed, "pin_memory": pin_memory}
-    if not spec.coordinated or trial == _OUTSIDE_TUNE:
-        if spec.coordinated:  # e.g. a sweep's best config, trained again outside Tune: nothing to share with
-            logger.info("train_loader: not inside a Tune trial; preparing data in this process (the same bytes a "
-                        "shared trial starting at piece 0 reads)")
+    where = whereabouts(spec._trial or None)
+    shard = Shard(where.rank, where.world, drop_last) if where.world > 1 else None
+    trial = where.trial or _OUTSIDE_TUNE
+    options = {"echo": echo_spec, "views": spec.views, "seed": spec.seed, "pin_memory": pin_memory, "shard": shard}
+    tags = {"group": spec.group_key, "trial": trial if shard is None else f"{trial}@{shard.rank}"}
+    shared = spec.coordinated and where.trial is not None
+    if shared and where.train and not has_registry():
+        shared = False
+        _warn_unshared(f"this Ray Train worker's trial ({trial}) finds no coordinated_prep registry in its Ray job: "
+                       "run it in a Tune sweep with search_alg=CoordinatedSearcher(), or run Ray Train alone inside "
+                       "`with coordinated_prep.PrepService(): trainer.fit()`")
+    elif spec.coordinated and where.trial is None:
+        _warn_unshared(where.why)
+    if not shared:
         if num_workers is None:
-            num_workers = 0 if trial != _OUTSIDE_TUNE else min(8, os.cpu_count() or 1)
+            num_workers = 0 if where.trial is not None else min(8, os.cpu_count() or 1)
         stream = PrivateStream(spec, workers=num_workers, prefetch=prefetch or 2)
-        return TrainLoader(stream, batch_size, epochs, {"group": spec.group_key, "trial": trial}, **options)
+        return TrainLoader(stream, batch_size, epochs, tags, **options)
     _LOADERS[trial] += 1  # a trial's k-th loader is its own consumer: several loaders per trial work
     consumer = trial if _LOADERS[trial] == 1 else f"{trial}#{_LOADERS[trial]}"
-    return TrainLoader(SharedStream(spec, trial, consumer, batch_size, prefetch, epochs), batch_size, epochs,
-                       {"group": spec.group_key, "trial": trial}, **options)
+    rank = None if shard is None else (shard.rank, shard.world)
+    return TrainLoader(SharedStream(spec, trial, consumer, batch_size, prefetch, epochs, rank), batch_size, epochs,
+                       tags, **options)
+
+
+def _warn_unshared(why: str) -> None:
+    """Warn once per process and reason that a coordinated loader prepares its own data here."""
+    if why in _WARNED:
+        return
+    _WARNED.add(why)
+    warnings.warn(f"train_loader: coordinated=True, but sharing is off: {why}. This process prepares every sample "
+                  "itself (the same bytes a shared trial starting at piece 0 reads)", stacklevel=3)
 
 
 def eval_loader(config: Mapping[str, Any] | DataSpec, batch_size: int, *, key: str = "data") -> Iterator[Batch]:
@@ -254,9 +312,9 @@ def eval_loader(config: Mapping[str, Any] | DataSpec, batch_size: int, *, key: s
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ConfigError(f"eval_loader: batch_size={batch_size!r} must be a positive integer")
     spec = resolve_spec(config, key)
-    trial = _current_trial_id(required=False)
-    shared = spec.coordinated and trial != _OUTSIDE_TUNE
-    yield from batched(shared_eval_pieces(spec, trial) if shared else private_eval_pieces(spec), batch_size)
+    where = whereabouts(spec._trial or None)
+    shared = spec.coordinated and where.trial is not None and (not where.train or has_registry())
+    yield from batched(shared_eval_pieces(spec, where.trial) if shared else private_eval_pieces(spec), batch_size)
 
 
 def _accelerator(who: str) -> bool:
@@ -285,21 +343,3 @@ def pinned(batches: Iterator[Batch]) -> Generator[Batch, None, None]:
         while (batch := ahead.result()) is not None:
             ahead = pool.submit(lambda: pin(next(batches, None)))
             yield batch
-
-
-def _current_trial_id(required: bool = True) -> str:
-    """The Tune trial id of this process; ``"local"`` outside Tune unless ``required``."""
-    try:
-        from ray import tune
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "meant to only be called inside a Tuner"
-            trial = tune.get_context().get_trial_id()
-    except Exception:  # outside a Tune trial the context raises or returns None, depending on version
-        trial = None
-    if not trial and not required:
-        return _OUTSIDE_TUNE
-    if not trial:
-        raise ConfigError("train_loader: coordinated=True works inside a Tune trial only; "
-                          "outside Tune use DataSpec(coordinated=False)")
-    return trial

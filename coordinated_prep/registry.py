@@ -60,7 +60,8 @@ _LIVENESS_TIMEOUT_S = 10.0
 _KEPT_INCARNATIONS = 50  # per group, the most recent coordinators' own counters kept in reports
 _SUMMED = ("samples_prepared", "samples_served", "pieces_prepared", "pieces_failed", "trials_joined",
            "fetch_s", "transform_s", "put_s", "prep_cpu_s", "evictions", "storage_reads", "cache_hits",
-           "released_dead", "stall_s", "pieces_passed", "pieces_kept", "pieces_reused", "decodes", "tier_hits")
+           "released_dead", "stall_s", "pieces_passed", "pieces_kept", "pieces_reused", "decodes", "tier_hits",
+           "cohorts")
 
 
 @dataclass
@@ -100,6 +101,9 @@ class GroupRegistry:
         self._groups: dict[str, _Group] = {}
         self._members: dict[str, set[str]] = {}  # group key -> its member trials (see the module docstring)
         self._trial_groups: dict[str, set[str]] = {}  # trial -> the keys of the groups it is a member of
+        # (group, data-parallel trial) -> the node whose coordinator serves all its ranks; bounded by the
+        # trials, dropped when Tune reports the trial done
+        self._cohort_nodes: dict[tuple[str, str], str] = {}
         self._finished: dict[str, dict[str, Any]] = {}
         self._incarnation = itertools.count()
         self._locks: dict[str, asyncio.Lock] = {}
@@ -151,6 +155,13 @@ class GroupRegistry:
                 raise
             return group.actor
 
+    async def cohort_node(self, spec: DataSpec, trial: str, node: str) -> str:
+        """The node whose coordinator of ``spec``'s group serves every rank of data-parallel ``trial``:
+        the node of its first rank to ask. The ranks must read the same epochs (one start) and each
+        piece must be kept until every rank has read it, which one coordinator does; ranks on other
+        nodes fetch their pieces from there over the network."""
+        return self._cohort_nodes.setdefault((spec.group_key, trial), node)
+
     async def folder_index(self, root: str, node: str) -> list[ray.ObjectRef]:
         """The index of ImageFolder ``root`` on ``node``, walked once per sweep and node (in a list:
         the caller gets the reference, not the index, and borrows the object).
@@ -167,6 +178,8 @@ class GroupRegistry:
 
     async def trial_done(self, trial: str) -> None:
         """``trial`` ended for good: it leaves its groups, and a group left with no member is destroyed."""
+        for key in [k for k in self._cohort_nodes if k[1] == trial]:
+            del self._cohort_nodes[key]
         for key in sorted(self._trial_groups.get(trial, set())):
             async with self._lock(key):  # waits for a start in progress (see the module docstring)
                 self._forget(trial, key)
@@ -567,6 +580,7 @@ def _merge(reports: dict[str, dict[str, Any]], key: str, live: dict[str, Any], s
     by_epoch = acc.setdefault("decodes_by_epoch", {})
     for epoch, n in (live.get("decodes_by_epoch") or {}).items():
         by_epoch[epoch] = by_epoch.get(epoch, 0) + n
+    acc.setdefault("ranks", {}).update(live.get("ranks") or {})  # data-parallel trial -> its workers
     nodes = acc.setdefault("nodes", [])
     if live.get("node") and live["node"] not in nodes:
         nodes.append(live["node"])

@@ -172,6 +172,17 @@ class DataSpec:
     on_error: OnError = "raise"
     views: int = 1
     _key: str = field(init=False, repr=False, compare=False, default="")
+    #: The Tune trial whose process pickled this spec, so that its Ray Train workers find their trial
+    #: (:mod:`coordinated_prep.context`); not part of the group, nor of equality.
+    _trial: str = field(init=False, repr=False, compare=False, default="")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        if not state.get("_trial"):
+            from coordinated_prep.context import stamp
+
+            state["_trial"] = stamp() or ""
+        return state
 
     def __post_init__(self) -> None:
         self._check_dataset_and_transforms()
@@ -246,7 +257,7 @@ class DataSpec:
 
         fields = {}
         for f in dataclasses.fields(self):
-            if f.name == "_key":
+            if f.name in ("_key", "_trial"):
                 continue
             value = getattr(self, f.name)
             if f.name == "dataset" or f.name in TRANSFORM_FIELDS:
@@ -284,7 +295,7 @@ class DataSpec:
 
     def __repr__(self) -> str:  # only what differs from the defaults: Tune prints configs in tables
         changed = [f"{f.name}={_short(getattr(self, f.name))}" for f in dataclasses.fields(self)
-                   if f.name not in ("pipeline", "_key") and getattr(self, f.name) is not _DATA_DEFAULTS[f.name]
+                   if f.name not in ("pipeline", "_key", "_trial") and getattr(self, f.name) is not _DATA_DEFAULTS[f.name]
                    and not _same(getattr(self, f.name), _DATA_DEFAULTS[f.name])]
         if self.pipeline != PipelineSpec():
             changed.append(f"pipeline={self.pipeline!r}")
@@ -316,7 +327,7 @@ class DataSpec:
         return cls(**known)
 
 
-_DATA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DataSpec) if f.name not in ("pipeline", "_key")}
+_DATA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DataSpec) if f.init and f.name != "pipeline"}
 #: The torchvision-style transform fields of a DataSpec.
 TRANSFORM_FIELDS = ("transform", "target_transform", "transforms", "eval_transform", "eval_transforms")
 

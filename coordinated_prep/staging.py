@@ -147,24 +147,38 @@ class StagingBuffer:
         head is still staged (kept pieces included), so the trial is served from what is already
         prepared when it can be.
         """
-        self.leave(trial)
+        tokens, start = self.join_together([trial], pieces)
+        return tokens[0], start
+
+    def join_together(self, trials: list[str], pieces: int | None = None) -> tuple[list[int], int]:
+        """Register ``trials`` at one start, as :meth:`join` registers one; returns their tokens and the start.
+
+        The ranks of a data-parallel trial join so: each reads its share of the same epochs
+        (:mod:`coordinated_prep.pipeline.shard`), so they must start on the same piece, and every
+        piece from there is kept until each rank has fetched it, even one that has not attached yet.
+        """
+        for trial in trials:
+            self.leave(trial)
         low = self.head
         for g in range(self.head - 1, -1, -1):  # walk down over the contiguous staged run
             if g not in self.slots:
                 break
             low = g
         start = self._next_join_point(low)
-        self._tokens += 1
-        consumer = Consumer(token=self._tokens, start=start, end=None if pieces is None else start + pieces,
-                            floor=start, requested=start)
-        self.consumers[trial] = consumer
-        for g, slot in self.slots.items():
-            if consumer.covers(g):
-                self.pieces_reused += self._is_kept(slot)
-                slot.waiting.add(trial)
+        tokens = []
+        for trial in trials:
+            self._tokens += 1
+            tokens.append(self._tokens)
+            consumer = Consumer(token=self._tokens, start=start, end=None if pieces is None else start + pieces,
+                                floor=start, requested=start)
+            self.consumers[trial] = consumer
+            for g, slot in self.slots.items():
+                if consumer.covers(g):
+                    self.pieces_reused += self._is_kept(slot)
+                    slot.waiting.add(trial)
         self._advance_head()
         self._prune_kept()  # kept pieces below its start: no later joiner starts lower
-        return self._tokens, start
+        return tokens, start
 
     def is_current(self, trial: str, token: int) -> bool:
         """Whether ``token`` is the live incarnation of ``trial``."""

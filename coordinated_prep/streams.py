@@ -115,19 +115,23 @@ class SharedStream:
         spec: The trial's data spec.
         trial: The Tune trial id.
         consumer: The id the coordinator knows this loader by: the trial id, with ``#k`` appended
-            for the trial's k-th loader, so that one trial may read several loaders.
+            for the trial's k-th loader, so that one trial may read several loaders (and
+            ``@<rank>`` for a data-parallel rank, appended by the coordinator).
         batch_size: The trial's batch size.
         prefetch: Pieces requested ahead (bounded); None: two batches' worth, and at least two pieces.
         epochs: Epochs the trial will read, if it knows: nothing past them is requested or prepared.
+        rank: ``(r, k)``: rank ``r`` of a data-parallel trial of ``k`` workers, which reads every
+            piece of the trial's epochs and keeps its share (:mod:`coordinated_prep.pipeline.shard`).
     """
 
     def __init__(self, spec: DataSpec, trial: str, consumer: str, batch_size: int, prefetch: int | None = None,
-                 epochs: int | None = None) -> None:
+                 epochs: int | None = None, rank: tuple[int, int] | None = None) -> None:
         self._spec = spec
         self._trial = consumer
         self._fallback: PrivateStream | None = None  # set when the lease detaches this trial
         self._timeout = spec.fetch_timeout_s
-        info = self._join(trial, epochs)
+        info = self._join(trial, epochs, rank)
+        self._trial = consumer = info["consumer"]  # ``<consumer>@<rank>`` for a data-parallel rank
         self.start: int = info["start"]
         self.chunks_per_epoch: int = info["chunks_per_epoch"]
         self.samples_per_epoch: int = info["samples_per_epoch"]
@@ -146,19 +150,23 @@ class SharedStream:
         self._finalizer = weakref.finalize(self, _leave_unawaited, self._coordinator, consumer, self._token)
         self._finalizer.atexit = False
 
-    def _join(self, trial: str, epochs: int | None) -> dict[str, Any]:
+    def _join(self, trial: str, epochs: int | None, rank: tuple[int, int] | None) -> dict[str, Any]:
         """Find the group's coordinator on this node and join it; once more if it died in between.
 
         The registry replaces a dead coordinator when asked again, so a death between the two
         calls costs one retry, not the trial.
         """
         registry = find_registry(trial)
-        node = ray.get_runtime_context().get_node_id()  # the group's coordinator on this node serves it
-        process = this_process(ray.get_runtime_context().get_actor_id())  # watched: a paused trial's process ends
+        here = ray.get_runtime_context().get_node_id()  # the group's coordinator on this node serves it
+        node = here if rank is None else self._call(registry.cohort_node.remote(self._spec, trial, here),
+                                                    "finding its ranks' coordinator")
+        # watched where the coordinator can see the process (same node): a paused trial's process ends
+        process = this_process(ray.get_runtime_context().get_actor_id()) if node == here else None
         for attempt in (1, 2):
             self._coordinator = self._call(registry.group_for.remote(self._spec, trial, node), "finding its data group")
             try:
-                return self._call(self._coordinator.join.remote(self._trial, epochs, process), "joining its data group")
+                return self._call(self._coordinator.join.remote(self._trial, epochs, process, rank),
+                                  "joining its data group")
             except PrepError as e:
                 if attempt == 2 or not isinstance(e.__cause__, ray.exceptions.RayActorError):
                     raise
@@ -261,6 +269,15 @@ def _leave_unawaited(coordinator: Any, consumer: str, token: int) -> None:
         coordinator.leave.remote(consumer, token)
     except Exception as e:  # Ray shut down already: the coordinator's watch or the registry releases it
         logger.debug("consumer %s could not leave %r at collection: %r", consumer, coordinator, e)
+
+
+def has_registry() -> bool:
+    """Whether a group registry runs in this Ray job (a CoordinatedSearcher's or a PrepService's)."""
+    try:
+        ray.get_actor(registry_name(ray.get_runtime_context().get_job_id()), namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True
 
 
 def find_registry(trial: str) -> Any:

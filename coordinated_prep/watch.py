@@ -48,8 +48,9 @@ def _start_time(pid: int) -> str | None:
 
 
 def trial_of(consumer: str) -> str:
-    """The Tune trial id of a consumer id (``<trial>``, or ``<trial>#<k>`` for its k-th loader)."""
-    return consumer.split("#", 1)[0]
+    """The Tune trial id of a consumer id (``<trial>``, ``<trial>#<k>`` for its k-th loader, and
+    ``@<rank>`` after either for a data-parallel rank)."""
+    return consumer.split("@", 1)[0].split("#", 1)[0]
 
 
 class ProcessWatch:

@@ -71,6 +71,17 @@ def _inject(config: dict, epoch: int, step: int) -> None:
         os.kill(int(victims[0].pid), signal.SIGKILL)
 
 
+class OpenOnResult(tune.Callback):
+    """Opens the :class:`Gate` ``gate`` once Tune has a result with ``epoch >= epoch``."""
+
+    def __init__(self, gate: str, epoch: int) -> None:
+        self.gate, self.epoch = gate, epoch
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        if result.get("epoch", 0) >= self.epoch:
+            ray.get(ray.get_actor(self.gate, namespace="coordinated_prep").open.remote(), timeout=60)
+
+
 class Interrupt(tune.Callback):
     """Interrupts the sweep as Ctrl-C would (SIGINT to the driver) once ``after`` results came in.
 
@@ -189,3 +200,70 @@ def load_records(out: str, contiguous: bool = True) -> dict[str, list[dict[str, 
         if contiguous:
             assert [int(f[5:-4]) for f in files] == list(range(len(files))), f"{trial}: epochs missing: {files}"
     return records
+
+
+def record_ranks(config: dict) -> None:
+    """A Tune trial of ``config["workers"]`` Ray Train workers (Train V2), each running :func:`record_rank`.
+
+    Optional: ``max_failures`` (Ray Train restarts the worker group that often; default 0),
+    ``cpu_per_worker`` (0.2). The trial id reaches the workers with the DataSpec (nothing passed by hand).
+    """
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    trial = tune.get_context().get_trial_id()
+    trainer = TorchTrainer(
+        record_rank, train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=config["workers"], use_gpu=False,
+                                     resources_per_worker={"CPU": config.get("cpu_per_worker", 0.2)}),
+        run_config=RunConfig(name=f"ranks-{trial}", storage_path=os.path.join(config["out"], "train-storage"),
+                             failure_config=FailureConfig(max_failures=config.get("max_failures", 0)),
+                             callbacks=[TuneReportCallback()]))
+    trainer.fit()
+
+
+def record_rank(config: dict) -> None:
+    """One Ray Train worker: iterate ``epochs`` epochs (resuming after the checkpoint's) and save per
+    rank and epoch the indices, repeats, stream epochs, digests and batch sizes; rank 0 reports a
+    checkpoint of the epoch. ``fault: "kill_rank"`` kills rank 1 once, after ``fault_step`` batches
+    of epoch ``fault_epoch`` (1), once the :class:`Gate` named ``gate`` opens (:class:`OpenOnResult`:
+    Tune has the result of the epoch before, so Ray Train has registered its checkpoint)."""
+    import ray.train
+
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
+    first = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d, open(os.path.join(d, "epoch")) as f:
+            first = int(f.read())
+    loader = train_loader(config, batch_size=config["batch_size"], epochs=config["epochs"] - first,
+                          drop_last=config.get("drop_last", False))
+    out = os.path.join(config["out"], loader.trial, f"rank{rank}")
+    os.makedirs(out, exist_ok=True)
+    for epoch in range(first, config["epochs"]):
+        parts = []
+        for step, b in enumerate(loader):
+            parts.append((b.indices.numpy(), b.repeats.numpy(), b.stream_epochs.numpy(),
+                          sample_digests(b.images.numpy()), len(b)))
+            if (config.get("fault") == "kill_rank" and rank == 1 and epoch == config.get("fault_epoch", 1)
+                    and step == config.get("fault_step", 2)):
+                marker = os.path.join(config["out"], "killed-rank")
+                if not os.path.exists(marker):  # once: the restarted group goes on
+                    open(marker, "w").close()
+                    gate = ray.get_actor(config["gate"], namespace="coordinated_prep")
+                    ray.get(gate.wait_open.remote(120), timeout=150)
+                    os.kill(os.getpid(), signal.SIGKILL)
+        np.savez(os.path.join(out, f"epoch{epoch}.npz"),
+                 indices=np.concatenate([p[0] for p in parts]), repeats=np.concatenate([p[1] for p in parts]),
+                 stream_epochs=np.concatenate([p[2] for p in parts]), digests=np.concatenate([p[3] for p in parts]),
+                 batch_sizes=np.array([p[4] for p in parts]), start=loader.start_piece, world=loader.world,
+                 private_samples=loader.private_samples, resumed_from=first)
+        if rank == 0:
+            with tempfile.TemporaryDirectory() as d:
+                with open(os.path.join(d, "epoch"), "w") as f:
+                    f.write(str(epoch + 1))
+                ray.train.report({"epoch": epoch + 1}, checkpoint=ray.train.Checkpoint.from_directory(d))
+        else:
+            ray.train.report({"epoch": epoch + 1})

@@ -220,6 +220,7 @@ ops = st.lists(
     st.one_of(
         st.tuples(st.just("join"), st.integers(0, 3)),
         st.tuples(st.just("join_for"), st.integers(0, 11)),  # trial arg % 4 declares arg // 4 + 1 epochs
+        st.tuples(st.just("join_ranks"), st.integers(0, 11)),  # t(arg) and t(arg + 1) join as one trial's ranks
         st.tuples(st.just("leave"), st.integers(0, 3)),  # a close, a pause, a stop or a death
         st.tuples(st.just("produce"), st.integers(0, 0)),
         st.tuples(st.just("settle"), st.integers(0, 5)),
@@ -282,6 +283,14 @@ def test_exactly_once_freeing_and_liveness_under_random_schedules(ops, n, chunk,
             _, start = buf.join(name, pieces)
             assert plan.is_join_point(start)
             trials[name] = _Trial(start, float("inf") if pieces is None else start + pieces, start, start)
+        elif op == "join_ranks":  # a data-parallel trial's worker group: its ranks at one start
+            names = [name, f"t{(arg + 1) % 4}"]
+            finished.extend(trials.pop(who) for who in names if who in trials)
+            pieces = (arg // 4 + 1) * plan.chunks_per_epoch if arg >= 4 else None
+            _, start = buf.join_together(names, pieces)
+            assert plan.is_join_point(start)
+            for who in names:
+                trials[who] = _Trial(start, float("inf") if pieces is None else start + pieces, start, start)
         elif op == "leave" and t is not None:
             buf.leave(name)
             finished.append(trials.pop(name))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
@@ -17,6 +18,7 @@ from coordinated_prep.memory.modes import apply_memory
 from coordinated_prep.memory.packing import cap_gpu_memory
 from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.loader import resolve_spec
+from trainables import distributed
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +95,20 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
     left, and the schedule goes on from its step. When PBT changed ``lr``, the schedule keeps its
     shape scaled to the new peak; a changed ``weight_decay`` applies from the next step.
 
+    With ``workers: k`` above 1 the trial trains on k Ray Train workers, the model in
+    DistributedDataParallel and each rank reading its share of every epoch (``batch_size`` per
+    rank): :mod:`trainables.distributed`.
+
     Args:
         config: The trial's config.
         build: Builds the model.
-        session: Where epochs are reported and checkpoints kept; default :class:`TuneSession`.
+        session: Where epochs are reported and checkpoints kept; default :class:`TuneSession`
+            (:class:`~trainables.distributed.TrainSession` in a Ray Train worker).
     """
-    session = session or TuneSession()
+    if distributed.workers_of(config) > 1 and not distributed.in_worker():
+        distributed.launch(config, functools.partial(fit, build=build))
+        return
+    session = session or (distributed.TrainSession() if distributed.in_worker() else TuneSession())
     torch.set_num_threads(int(config.get("torch_threads", 1)))
     torch.manual_seed(int(config.get("model_seed", 0)))  # reproducible initialisation per trial
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -109,6 +119,7 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
                           "transforms use trainables.loop.fit_task, as cifar_cnn, seg_unet and audio_cnn do")
     cap_gpu_memory(config.get("gpu_memory_fraction"))  # gpu: auto's share: an overrun fails here, not next door
     model = apply_memory(build(len(open_source(spec.dataset).classes), config).to(device), config.get("memory"))
+    model = distributed.prepare(model)  # DDP in a Ray Train worker of several
     optimizer = make_optimizer(model, config)
     epochs = int(config["epochs"])
     state = session.restore()

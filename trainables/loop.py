@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from coordinated_prep import eval_loader, train_loader
+from trainables import distributed
 from trainables.common import Session, TuneSession, make_optimizer
 from trainables.common import _advance, _load  # the schedule and resume rules of fit, kept in one place
 from trainables.scores import Scores
@@ -45,14 +47,18 @@ def fit_task(config: Mapping[str, Any], task: Task, session: Session | None = No
     ``loss`` (held-out), the task's scores, ``train_loss``, ``samples``, ``steps``, ``data_wait_s``,
     ``compute_s``, ``stall_fraction``, ``private_samples``, ``copied_fraction`` and
     ``loader_cpu_ms_per_batch``, with a checkpoint that a retried or PBT-exploited trial resumes from
-    (one-cycle schedule, one step per batch).
+    (one-cycle schedule, one step per batch). With ``workers: k`` above 1 it trains on k Ray Train
+    workers (DDP), as :func:`trainables.common.fit` does.
     """
-    session = session or TuneSession()
+    if distributed.workers_of(config) > 1 and not distributed.in_worker():
+        distributed.launch(config, functools.partial(fit_task, task=task))
+        return
+    session = session or (distributed.TrainSession() if distributed.in_worker() else TuneSession())
     torch.set_num_threads(int(config.get("torch_threads", 1)))
     torch.manual_seed(int(config.get("model_seed", 0)))  # reproducible initialisation per trial
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     num_classes = int(config.get("num_classes", task.num_classes))
-    model = task.build(num_classes, config).to(device)
+    model = distributed.prepare(task.build(num_classes, config).to(device))  # DDP in a Ray Train worker of several
     optimizer = make_optimizer(model, config)
     epochs, batch_size = int(config["epochs"]), int(config["batch_size"])
     state = session.restore()

@@ -22,11 +22,14 @@ def build_summary(trials: Sequence[Mapping[str, Any]], groups: Mapping[str, Mapp
     for key, g in groups.items():
         prepared, served = g.get("samples_prepared", 0), g.get("samples_served", 0)
         group_rows[key] = dict(g, saving=(served / prepared) if prepared else None)
+    rows = []
     for t in trials:  # a group's trials share their searched data values (equal values, one group)
         values = searched_data(t.get("config") or {})
         if values and t.get("group") in group_rows:
             group_rows[t["group"]].setdefault("searched", values)
-    return {"metric": metric, "mode": mode, "best_trial": best, "trials": list(trials), "groups": group_rows,
+        ranks = (groups.get(t.get("group")) or {}).get("ranks", {}).get(t.get("trial"))
+        rows.append(dict(t, ranks=ranks) if ranks else t)  # the Ray Train workers that joined for the trial
+    return {"metric": metric, "mode": mode, "best_trial": best, "trials": rows, "groups": group_rows,
             "caches": dict(caches or {}), "evaluation": dict(evals or {}), "decoded": dict(decoded or {})}
 
 
@@ -68,11 +71,12 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         lines.append(f"Best trial: none reported {metric}")
     lines.append("")
     echoing = any(t.get("echoed_samples") for t in summary["trials"])
+    ranked = any(t.get("ranks") for t in summary["trials"])  # data-parallel trials (Ray Train workers)
     lines.append(format_table(
-        ["trial", "status", "epochs", metric, "stall", "batch", "own prep"]
+        ["trial", "status", "epochs", metric, "stall", "batch", "own prep"] + (["ranks"] if ranked else [])
         + (["echo", "fresh", "echoed"] if echoing else []),
         [[t["trial"], t["status"], t.get("epochs", ""), _num(t.get(metric)), _num(t.get("stall_fraction")),
-          t.get("batch_size", ""), t.get("private_samples", "-")]
+          t.get("batch_size", ""), t.get("private_samples", "-")] + ([t.get("ranks") or 1] if ranked else [])
          + ([t.get("echo", "off"), t.get("fresh_samples", "-"), t.get("echoed_samples", "-")] if echoing else [])
          for t in summary["trials"]],
     ))
