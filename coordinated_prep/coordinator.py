@@ -49,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -124,9 +123,7 @@ class Coordinator:
         # detached consumers still running
         self.evicted: dict[str, int] = {}
         self.skipped: set[int] = set()  # samples left out under on_error="skip" (bounded by the dataset)
-        # data-parallel trial (consumer id before "@<rank>") -> its current worker group's ranks;
-        # bounded by the trials that joined, dropped when the trial leaves (leave_trial)
-        self.cohorts: dict[str, Cohort] = {}
+
         self.producer: asyncio.Task | None = None
         self.settling: set[asyncio.Task] = set()  # strong references: asyncio keeps only weak ones
         self.stats: dict[str, Any] = {
@@ -144,8 +141,7 @@ class Coordinator:
         metrics.declare_group(self.group)  # exported at 0 from the start: the dashboard shows 0, not "No data"
 
     # -- trial-facing API -------------------------------------------------------------------
-    async def join(self, trial: str, epochs: int | None = None, process: Process | None = None,
-                   rank: tuple[int, int] | None = None) -> dict[str, Any]:
+    async def join(self, trial: str, epochs: int | None = None, process: Process | None = None) -> dict[str, Any]:
         """Register consumer ``trial`` (a trial id, ``#k`` appended for its k-th loader) reading
         ``epochs`` epochs (None: until it leaves).
 
@@ -157,9 +153,6 @@ class Coordinator:
                 trials without telling a search algorithm). A trial id joining from a Tune actor
                 that another trial id's consumers came from means Tune reused the actor: those
                 consumers are released at once.
-            rank: ``(r, k)`` for rank ``r`` of a data-parallel trial of ``k`` workers; the consumer
-                is then ``<trial>@<r>``, and the trial's ranks form a *cohort* (see
-                :meth:`_join_rank`).
 
         Returns:
             Where its first epoch starts, the epoch size, the piece size, its incarnation token and
@@ -169,11 +162,7 @@ class Coordinator:
             raise PrepError(f"trial {trial}: coordinator {self.name} is shut down or failed ({self.fatal!r})")
         if self.producer is None:  # created here because __init__ runs outside the event loop
             self.producer = asyncio.get_running_loop().create_task(self._produce())
-        pieces = None if epochs is None else epochs * self.plan.chunks_per_epoch
-        if rank is None:
-            token, start = self.buffer.join(trial, pieces)
-        else:
-            trial, token, start = self._join_rank(trial, rank[0], rank[1], pieces)
+        token, start = self.buffer.join(trial, None if epochs is None else epochs * self.plan.chunks_per_epoch)
         self.evicted.pop(trial, None)
         self.stats["trials_joined"] += 1
         if process is not None:
@@ -187,34 +176,50 @@ class Coordinator:
                 "chunk_size": self.plan.chunk_size, "consumer": trial,
                 "samples_per_epoch": self.plan.samples_per_epoch, "name": self.name}
 
-    def _join_rank(self, trial: str, rank: int, world: int, pieces: int | None) -> tuple[str, int, int]:
-        """Rank ``rank`` of ``world`` of data-parallel trial ``trial`` joins; returns (consumer, token, start).
+    async def join_point(self) -> int:
+        """The first piece a trial joining now would start on (the registry's rendezvous of ranks asks)."""
+        return self.buffer.join_point()
 
-        The first rank of a *cohort* (the trial's worker group) to arrive registers a consumer for
-        every rank at one start (``StagingBuffer.join_together``), so the ranks read the same
-        epochs and no piece is freed before the ranks still to come fetch it; later ranks attach to
-        theirs. A rank arriving where its consumer is attached already, was released (its process
-        ended) or detached, or with another world size, is a new worker group (Ray Train restarted
-        it after a failure): the old cohort's consumers leave and a new cohort starts, as a
-        retried trial re-joins. A rank that never arrives holds its pieces until the lease
-        detaches it, like a straggling trial.
+    async def join_ranks(self, trial: str, ranks: dict[int, Process | None], world: int, start: int,
+                         epochs: int | None) -> dict[str, Any] | None:
+        """Register ranks ``ranks`` (rank -> its process on this node) of data-parallel ``trial`` of
+        ``world`` ranks at piece ``start``, as consumers ``<trial>@<rank>``; the registry's
+        rendezvous calls this on the node of each rank (``GroupRegistry.meet``).
+
+        Every piece from ``start`` is kept until each of these ranks has fetched it, also for a rank
+        whose loader is slower to begin. Consumers already registered under these ids (a worker
+        group Ray Train replaced) leave first.
+
+        Returns:
+            Per rank its token, and the group's start and sizes; None if a piece between ``start``
+            and the head is no longer staged here (those ranks prepare their own pieces).
         """
-        cohort = self.cohorts.get(trial)
-        ids = [f"{trial}@{r}" for r in range(world)]
-        if (cohort is None or cohort.world != world or rank in cohort.attached
-                or not self.buffer.is_current(ids[rank], cohort.tokens[rank])):
-            if cohort is not None:
-                for r, token in enumerate(cohort.tokens):
-                    self.buffer.leave(f"{trial}@{r}", token)
-                    self.evicted.pop(f"{trial}@{r}", None)
-            tokens, start = self.buffer.join_together(ids, pieces)
-            cohort = self.cohorts[trial] = Cohort(world, tokens, start)
-            self.stats["cohorts"] += 1
-            self.stats["ranks"][trial] = world  # bounded by the trials that joined
-            logger.info("trial %s: a worker group of %d ranks joined group %s at piece %d", trial, world,
-                        self.spec.group_key, start)
-        cohort.attached.add(rank)
-        return ids[rank], cohort.tokens[rank], cohort.start
+        if self.closed or self.fatal is not None:
+            raise PrepError(f"trial {trial}: coordinator {self.name} is shut down or failed ({self.fatal!r})")
+        if self.producer is None:
+            self.producer = asyncio.get_running_loop().create_task(self._produce())
+        ids = {rank: f"{trial}@{rank}" for rank in ranks}
+        joined = self.buffer.join_together(list(ids.values()), None if epochs is None
+                                           else epochs * self.plan.chunks_per_epoch, at=start)
+        if joined is None:
+            logger.warning("trial %s: ranks %s cannot start at piece %d on %s (released already); they prepare "
+                           "their own pieces", trial, sorted(ranks), start, self.name)
+            return None
+        tokens = dict(zip(ids, joined[0]))
+        for rank, consumer in ids.items():
+            self.evicted.pop(consumer, None)
+            if ranks[rank] is not None:
+                for other in self.watch.add(consumer, tokens[rank], Process(*ranks[rank])):
+                    self.buffer.leave(other)  # Tune reused that actor: its earlier trial is over
+        self.stats["trials_joined"] += len(ids)
+        self.stats["cohorts"] += 1
+        self.stats["ranks"][trial] = world  # bounded by the trials that joined
+        logger.info("trial %s: ranks %s of %d joined group %s at piece %d", trial, sorted(ranks), world,
+                    self.spec.group_key, start)
+        await self._notify()
+        return {"tokens": tokens, "info": {"start": start, "chunks_per_epoch": self.plan.chunks_per_epoch,
+                                           "chunk_size": self.plan.chunk_size, "name": self.name,
+                                           "samples_per_epoch": self.plan.samples_per_epoch}}
 
     async def fetch(self, trial: str, token: int, g: int, timeout_s: float) -> dict[str, Any]:
         """Wait (at most ``timeout_s``) for piece ``g`` and hand ``trial`` (incarnation ``token``) a reference.
@@ -284,8 +289,6 @@ class Coordinator:
             await self.leave(consumer)
         for consumer in [c for c in self.evicted if trial_of(c) == trial]:
             del self.evicted[consumer]  # detached earlier: not a consumer any more, but remembered
-        for key in [k for k in self.cohorts if trial_of(k) == trial]:
-            del self.cohorts[key]
 
     async def skip_to(self, trial: str, token: int, g: int) -> None:
         """``trial`` (incarnation ``token``) passes over its pieces below ``g``: one call, no waiting."""
@@ -478,16 +481,6 @@ class Coordinator:
         metrics.set_gauge("consumers", len(self.buffer.consumers), group=self.group)
         async with self.changed:
             self.changed.notify_all()
-
-
-@dataclass
-class Cohort:
-    """The ranks of one data-parallel trial's worker group: their consumers' tokens and start."""
-
-    world: int
-    tokens: list[int]
-    start: int
-    attached: set[int] = field(default_factory=set)  # ranks whose loader has joined
 
 
 def _root_cause(error: BaseException) -> BaseException:

@@ -46,6 +46,7 @@ from coordinated_prep.pipeline.sources import folder_root
 from coordinated_prep.pipeline.sources.fingerprint import Fingerprint, check_same_index
 from coordinated_prep.pipeline.sources.shared_index import walk
 from coordinated_prep.spec import DataSpec
+from coordinated_prep.watch import trial_of
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +102,9 @@ class GroupRegistry:
         self._groups: dict[str, _Group] = {}
         self._members: dict[str, set[str]] = {}  # group key -> its member trials (see the module docstring)
         self._trial_groups: dict[str, set[str]] = {}  # trial -> the keys of the groups it is a member of
-        # (group, data-parallel trial) -> the node whose coordinator serves all its ranks; bounded by the
+        # (group, data-parallel trial) -> the rendezvous of its current worker group; bounded by the
         # trials, dropped when Tune reports the trial done
-        self._cohort_nodes: dict[tuple[str, str], str] = {}
+        self._rendezvous: dict[tuple[str, str], _Rendezvous] = {}
         self._finished: dict[str, dict[str, Any]] = {}
         self._incarnation = itertools.count()
         self._locks: dict[str, asyncio.Lock] = {}
@@ -155,12 +156,70 @@ class GroupRegistry:
                 raise
             return group.actor
 
-    async def cohort_node(self, spec: DataSpec, trial: str, node: str) -> str:
-        """The node whose coordinator of ``spec``'s group serves every rank of data-parallel ``trial``:
-        the node of its first rank to ask. The ranks must read the same epochs (one start) and each
-        piece must be kept until every rank has read it, which one coordinator does; ranks on other
-        nodes fetch their pieces from there over the network."""
-        return self._cohort_nodes.setdefault((spec.group_key, trial), node)
+    async def meet(self, spec: DataSpec, trial: str, consumer: str, rank: int, world: int, node: str,
+                   epochs: int | None, process: Any, timeout_s: float) -> dict[str, Any]:
+        """Rank ``rank`` of ``world`` of data-parallel ``trial`` arrives from ``node`` with its loader
+        ``consumer`` (the trial id, or ``<trial>#<k>`` for its k-th loader); returns, once every rank
+        of that loader has arrived, its coordinator and its place there.
+
+        The ranks must read the same epochs, so they start on one piece, and each node's
+        coordinator serves the ranks on its node:
+
+        1. A rank number that arrived already, or another world size, is a new worker group (Ray
+           Train restarted it after a failure): the old rendezvous is dropped.
+        2. When all ``world`` ranks are there, each of their nodes' coordinators says the lowest
+           join point it can serve from (what it still holds), the start is the highest, and each
+           registers its own ranks there at once (``Coordinator.join_ranks``), keeping every piece
+           from the start until each of them has fetched it.
+        3. A node that no longer holds the start when asked to register (it released pieces in
+           between) answers ``behind`` for its ranks, which then prepare their own pieces from the
+           start: the same bytes, exactly once still.
+
+        Raises:
+            PrepError: The other ranks did not arrive within ``timeout_s`` (named).
+        """
+        key = (spec.group_key, consumer)
+        meeting = self._rendezvous.get(key)
+        if meeting is None or meeting.world != world or rank in meeting.arrivals:
+            meeting = self._rendezvous[key] = _Rendezvous(world)
+        meeting.arrivals[rank] = (node, process, epochs)
+        if len(meeting.arrivals) == world:
+            meeting.placing = asyncio.ensure_future(self._place(spec, trial, consumer, meeting))
+            async with meeting.arrived:
+                meeting.arrived.notify_all()
+        try:
+            async with meeting.arrived:
+                await asyncio.wait_for(meeting.arrived.wait_for(lambda: meeting.placing is not None), timeout_s)
+            placed = await asyncio.wait_for(asyncio.shield(meeting.placing), timeout_s)  # type: ignore[arg-type]
+        except asyncio.TimeoutError:
+            missing = sorted(set(range(world)) - set(meeting.arrivals))
+            waited = f"for ranks {missing} to create their loaders" if missing else "for its ranks to be placed"
+            raise PrepError(f"trial {trial}: rank {rank} of {world} waited {timeout_s}s {waited}; every rank must "
+                            "call train_loader (raise data.fetch_timeout_s if the workers start slowly)") from None
+        return placed[rank]
+
+    async def _place(self, spec: DataSpec, trial: str, consumer: str,
+                     meeting: "_Rendezvous") -> dict[int, dict[str, Any]]:
+        """Register every rank of ``meeting`` on its node's coordinator at one start (see :meth:`meet`)."""
+        by_node: dict[str, dict[int, Any]] = {}
+        for rank, (node, process, _) in sorted(meeting.arrivals.items()):
+            by_node.setdefault(node, {})[rank] = process
+        epochs = meeting.arrivals[0][2]
+        coordinators = {node: await self.group_for(spec, trial, node) for node in by_node}
+        lows = await asyncio.gather(*(c.join_point.remote() for c in coordinators.values()))
+        start = max(lows)
+        answers = await asyncio.gather(*(coordinators[node].join_ranks.remote(consumer, ranks, meeting.world, start,
+                                                                              epochs)
+                                         for node, ranks in by_node.items()))
+        placed: dict[int, dict[str, Any]] = {}
+        for node, answer in zip(by_node, answers):
+            for rank in by_node[node]:
+                placed[rank] = {"coordinator": coordinators[node], "start": start,
+                                "info": None if answer is None else dict(answer["info"], token=answer["tokens"][rank],
+                                                                          consumer=f"{consumer}@{rank}")}
+        logger.info("trial %s: %d ranks on %d node(s) start at piece %d of group %s", trial, meeting.world,
+                    len(by_node), start, spec.group_key)
+        return placed
 
     async def folder_index(self, root: str, node: str) -> list[ray.ObjectRef]:
         """The index of ImageFolder ``root`` on ``node``, walked once per sweep and node (in a list:
@@ -178,8 +237,8 @@ class GroupRegistry:
 
     async def trial_done(self, trial: str) -> None:
         """``trial`` ended for good: it leaves its groups, and a group left with no member is destroyed."""
-        for key in [k for k in self._cohort_nodes if k[1] == trial]:
-            del self._cohort_nodes[key]
+        for key in [k for k in self._rendezvous if trial_of(k[1]) == trial]:
+            del self._rendezvous[key]
         for key in sorted(self._trial_groups.get(trial, set())):
             async with self._lock(key):  # waits for a start in progress (see the module docstring)
                 self._forget(trial, key)
@@ -561,6 +620,16 @@ async def _alive(actor: Any) -> bool:
         return False
     except asyncio.TimeoutError:
         return True  # slow, not dead: the trial's own timeouts apply
+
+
+class _Rendezvous:
+    """The ranks of one worker group of a data-parallel trial, as they arrive (see ``meet``)."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.arrivals: dict[int, tuple[str, Any, int | None]] = {}  # rank -> (node, process, epochs)
+        self.arrived = asyncio.Condition()
+        self.placing: asyncio.Future | None = None  # once every rank is there
 
 
 def _merge(reports: dict[str, dict[str, Any]], key: str, live: dict[str, Any], spec: DataSpec) -> None:

@@ -147,24 +147,31 @@ class StagingBuffer:
         head is still staged (kept pieces included), so the trial is served from what is already
         prepared when it can be.
         """
-        tokens, start = self.join_together([trial], pieces)
-        return tokens[0], start
+        joined = self.join_together([trial], pieces)
+        assert joined is not None  # without ``at`` a start is always found
+        return joined[0][0], joined[1]
 
-    def join_together(self, trials: list[str], pieces: int | None = None) -> tuple[list[int], int]:
+    def join_point(self) -> int:
+        """The first piece a consumer joining now would start on: the first join point from which
+        every piece up to the head is still staged."""
+        return self._next_join_point(self._lowest_staged())
+
+    def join_together(self, trials: list[str], pieces: int | None = None,
+                      at: int | None = None) -> tuple[list[int], int] | None:
         """Register ``trials`` at one start, as :meth:`join` registers one; returns their tokens and the start.
 
         The ranks of a data-parallel trial join so: each reads its share of the same epochs
         (:mod:`coordinated_prep.pipeline.shard`), so they must start on the same piece, and every
-        piece from there is kept until each rank has fetched it, even one that has not attached yet.
+        piece from there is kept until each rank has fetched it. ``at`` (a join point): start
+        there, where the ranks on other nodes start; None when a piece between ``at`` and the head
+        is no longer staged (the ranks here then prepare their own pieces). Consumers already
+        registered under these ids (the ranks of a worker group that Ray Train replaced) leave first.
         """
         for trial in trials:
             self.leave(trial)
-        low = self.head
-        for g in range(self.head - 1, -1, -1):  # walk down over the contiguous staged run
-            if g not in self.slots:
-                break
-            low = g
-        start = self._next_join_point(low)
+        if at is not None and at < self._lowest_staged():
+            return None
+        start = self.join_point() if at is None else at
         tokens = []
         for trial in trials:
             self._tokens += 1
@@ -179,6 +186,15 @@ class StagingBuffer:
         self._advance_head()
         self._prune_kept()  # kept pieces below its start: no later joiner starts lower
         return tokens, start
+
+    def _lowest_staged(self) -> int:
+        """The lowest piece of the contiguous staged run that ends at the head (the head if none)."""
+        low = self.head
+        for g in range(self.head - 1, -1, -1):  # walk down over the contiguous staged run
+            if g not in self.slots:
+                break
+            low = g
+        return low
 
     def is_current(self, trial: str, token: int) -> bool:
         """Whether ``token`` is the live incarnation of ``trial``."""

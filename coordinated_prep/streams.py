@@ -132,6 +132,11 @@ class SharedStream:
         self._timeout = spec.fetch_timeout_s
         info = self._join(trial, epochs, rank)
         self._trial = consumer = info["consumer"]  # ``<consumer>@<rank>`` for a data-parallel rank
+        if info["token"] is None:  # its node released the ranks' start already: its own pieces from there
+            self._fallback = PrivateStream(spec, first=info["start"])
+            info.update(token=-1, chunks_per_epoch=self._fallback.chunks_per_epoch,  # -1: no incarnation to leave
+                        samples_per_epoch=self._fallback.samples_per_epoch,
+                        chunk_size=self._fallback._plan.chunk_size)
         self.start: int = info["start"]
         self.chunks_per_epoch: int = info["chunks_per_epoch"]
         self.samples_per_epoch: int = info["samples_per_epoch"]
@@ -157,15 +162,23 @@ class SharedStream:
         calls costs one retry, not the trial.
         """
         registry = find_registry(trial)
-        here = ray.get_runtime_context().get_node_id()  # the group's coordinator on this node serves it
-        node = here if rank is None else self._call(registry.cohort_node.remote(self._spec, trial, here),
-                                                    "finding its ranks' coordinator")
-        # watched where the coordinator can see the process (same node): a paused trial's process ends
-        process = this_process(ray.get_runtime_context().get_actor_id()) if node == here else None
+        node = ray.get_runtime_context().get_node_id()  # the group's coordinator on this node serves it
+        process = this_process(ray.get_runtime_context().get_actor_id())  # watched: a paused trial's process ends
+        if rank is not None:  # the trial's ranks meet at the registry, which places each on its node at one start
+            placed = self._call(registry.meet.remote(self._spec, trial, self._trial, rank[0], rank[1], node, epochs,
+                                                     process, self._timeout),
+                                "meeting its sibling ranks", self._timeout + 60)
+            self._coordinator = placed["coordinator"]
+            consumer = f"{self._trial}@{rank[0]}"
+            if placed["info"] is None:
+                logger.warning("trial %s: its node released the ranks' start (piece %d) already; it prepares its own "
+                               "pieces", consumer, placed["start"])
+                return {"token": None, "start": placed["start"], "name": None, "consumer": consumer}
+            return placed["info"]
         for attempt in (1, 2):
             self._coordinator = self._call(registry.group_for.remote(self._spec, trial, node), "finding its data group")
             try:
-                return self._call(self._coordinator.join.remote(self._trial, epochs, process, rank),
+                return self._call(self._coordinator.join.remote(self._trial, epochs, process),
                                   "joining its data group")
             except PrepError as e:
                 if attempt == 2 or not isinstance(e.__cause__, ray.exceptions.RayActorError):

@@ -206,7 +206,7 @@ def record_ranks(config: dict) -> None:
     """A Tune trial of ``config["workers"]`` Ray Train workers (Train V2), each running :func:`record_rank`.
 
     Optional: ``max_failures`` (Ray Train restarts the worker group that often; default 0),
-    ``cpu_per_worker`` (0.2). The trial id reaches the workers with the DataSpec (nothing passed by hand).
+    ``cpu_per_worker`` (0.2), ``placement`` (the workers' placement strategy, ``PACK``). The trial id reaches the workers with the DataSpec (nothing passed by hand).
     """
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -216,7 +216,8 @@ def record_ranks(config: dict) -> None:
     trainer = TorchTrainer(
         record_rank, train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=config["workers"], use_gpu=False,
-                                     resources_per_worker={"CPU": config.get("cpu_per_worker", 0.2)}),
+                                     resources_per_worker={"CPU": config.get("cpu_per_worker", 0.2)},
+                                     placement_strategy=config.get("placement", "PACK")),
         run_config=RunConfig(name=f"ranks-{trial}", storage_path=os.path.join(config["out"], "train-storage"),
                              failure_config=FailureConfig(max_failures=config.get("max_failures", 0)),
                              callbacks=[TuneReportCallback()]))
@@ -259,7 +260,8 @@ def record_rank(config: dict) -> None:
                  indices=np.concatenate([p[0] for p in parts]), repeats=np.concatenate([p[1] for p in parts]),
                  stream_epochs=np.concatenate([p[2] for p in parts]), digests=np.concatenate([p[3] for p in parts]),
                  batch_sizes=np.array([p[4] for p in parts]), start=loader.start_piece, world=loader.world,
-                 private_samples=loader.private_samples, resumed_from=first)
+                 private_samples=loader.private_samples, resumed_from=first,
+                 node=ray.get_runtime_context().get_node_id(), coordinator=str(loader.coordinator))
         if rank == 0:
             with tempfile.TemporaryDirectory() as d:
                 with open(os.path.join(d, "epoch"), "w") as f:

@@ -209,3 +209,27 @@ def test_a_loader_that_finds_no_trial_warns_once_that_sharing_is_off(small_datas
         warnings.simplefilter("error")  # said once per process
         second = train_loader({"data": spec}, batch_size=8, epochs=1, num_workers=0)
     assert sum(len(b) for b in first) == len(train_ids(spec)) == sum(len(b) for b in second)
+
+
+def test_ray_train_v1_ranks_share_too(tmp_path):
+    """Train V1 runs in a process of its own (its flag is read when Ray Train is imported)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    done = subprocess.run([sys.executable, "-m", "tests.train_v1", str(tmp_path)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": REPO})
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.load(open(tmp_path / "reports.json"))
+    assert found["errors"] == []
+    [group] = found["groups"].values()
+    n = group["samples_per_epoch"]
+    assert group["samples_prepared"] == 2 * n and group["cohorts"] == 1, group
+    files = sorted(f for f in os.listdir(tmp_path) if f.endswith(".npy"))
+    assert len(files) == 4, files
+    for epoch in range(2):
+        ranks = [np.load(tmp_path / f) for f in files if f.endswith(f"epoch{epoch}.npy")]
+        assert len(ranks) == 2 and len(ranks[0]) == len(ranks[1]) == n // 2
+        assert len(np.unique(np.concatenate(ranks))) == n, "the ranks' shares are disjoint and cover the epoch"

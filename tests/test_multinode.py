@@ -25,7 +25,7 @@ from coordinated_prep.plan import holdout_split
 from coordinated_prep.pipeline.sources import open_source
 from tests.conftest import REPO
 from tests.harness import check_trial_records
-from tests.recording import Gate, load_records, record
+from tests.recording import Gate, load_records, record, record_ranks
 from tests.utils import FileOpens
 
 EPOCHS = 3
@@ -100,6 +100,35 @@ def test_each_node_serves_its_own_trials_and_storage_is_read_once(cluster, small
     assert group["storage_reads"] == 0
     assert not opens.overflowed
     assert {opens.counts[source.describe(int(i))] for i in train} == {1}  # once per sweep, both nodes together
+
+
+def test_the_ranks_of_a_data_parallel_trial_on_two_nodes_read_their_own_nodes_coordinators(
+        cluster, small_dataset, tmp_path):
+    spec = _spec(small_dataset)
+    searcher = CoordinatedSearcher(pool=PoolSpec(decoded_fraction=0))
+    analysis = tune.run(tune.with_resources(record_ranks, {"cpu": 0.1}), search_alg=searcher, verbose=0,
+                        config={"data": spec, "workers": 2, "batch_size": 8, "epochs": 2, "out": str(tmp_path),
+                                "placement": "STRICT_SPREAD", "cpu_per_worker": 0.25})
+    groups = searcher.group_reports()
+    searcher.close()
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    [trial] = analysis.trials
+    ranks = {int(d[4:]): sorted(os.listdir(tmp_path / trial.trial_id / d), key=lambda f: int(f[5:-4]))
+             for d in os.listdir(tmp_path / trial.trial_id)}
+    epochs = {r: [dict(np.load(tmp_path / trial.trial_id / f"rank{r}" / f)) for f in files] for r, files in ranks.items()}
+    nodes = [str(epochs[r][0]["node"]) for r in (0, 1)]
+    assert nodes[0] != nodes[1], "the two ranks run on two nodes"
+    for r in (0, 1):  # each read from the coordinator of its own node, no piece prepared privately
+        assert nodes[r][:8] in str(epochs[r][0]["coordinator"]) and int(epochs[r][-1]["private_samples"]) == 0
+    train = holdout_split(len(open_source(small_dataset)), spec.holdout)[0]
+    for e in range(2):
+        rows = [epochs[r][e] for r in (0, 1)]
+        assert int(rows[0]["start"]) == int(rows[1]["start"]), "one start on both nodes"
+        assert len(rows[0]["batch_sizes"]) == len(rows[1]["batch_sizes"])
+        fresh = np.concatenate([row["indices"][row["repeats"] == 0] for row in rows])
+        assert sorted(fresh.tolist()) == sorted(train.tolist()), f"epoch {e}: not every sample exactly once"
+    [group] = groups.values()
+    assert group["coordinators"] == 2 and group["cohorts"] == 2, group  # one per node, each with its rank
 
 
 def test_a_node_leaving_mid_sweep_sends_its_part_back_to_storage_and_the_others_go_on(
