@@ -87,9 +87,20 @@ def _train_worker() -> tuple[int, int, str | None] | None:
             rank, world = int(context.get_world_rank()), int(context.get_world_size())
     except Exception:  # V2 raises outside a worker and inside a Tune session; V1 has no rank outside Train
         return None
-    if world is None or world < 1:
+    if world < 1:
         return None
     return rank, world, _run_name(context)
+
+
+def worker_group() -> str | None:
+    """An id of this Ray Train worker's group, the same on its ranks and new when Ray Train restarts
+    the group (Train V2: its synchronization actor); None where Ray Train gives none."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context  # no public id of a worker group
+
+        return get_train_context().execution_context.synchronization_actor._actor_id.hex()
+    except Exception:
+        return None
 
 
 def _run_name(context: object) -> str | None:
@@ -107,4 +118,5 @@ def _run_name(context: object) -> str | None:
         pass
     if not name and not run:
         return None
-    return f"train:{name or '-'}:{run or '-'}"
+    name = (name or "-").replace("@", "_").replace("#", "_")  # they separate a consumer's loader and rank
+    return f"train:{name}:{run or '-'}"

@@ -264,6 +264,8 @@ def train_loader(
     echo_spec = EchoSpec.parse(echo, "train_loader(echo=...)")
     where = whereabouts(spec._trial or None)
     shard = Shard(where.rank, where.world, drop_last) if where.world > 1 else None
+    if shard is not None:
+        _check_data_parallel(spec, echo_spec, shard, where.trial or _OUTSIDE_TUNE)
     trial = where.trial or _OUTSIDE_TUNE
     options = {"echo": echo_spec, "views": spec.views, "seed": spec.seed, "pin_memory": pin_memory, "shard": shard}
     tags = {"group": spec.group_key, "trial": trial if shard is None else f"{trial}@{shard.rank}"}
@@ -279,12 +281,32 @@ def train_loader(
         if num_workers is None:
             num_workers = 0 if where.trial is not None else min(8, os.cpu_count() or 1)
         stream = PrivateStream(spec, workers=num_workers, prefetch=prefetch or 2)
-        return TrainLoader(stream, batch_size, epochs, tags, **options)
+        return _checked(TrainLoader(stream, batch_size, epochs, tags, **options))
     _LOADERS[trial] += 1  # a trial's k-th loader is its own consumer: several loaders per trial work
     consumer = trial if _LOADERS[trial] == 1 else f"{trial}#{_LOADERS[trial]}"
     rank = None if shard is None else (shard.rank, shard.world)
-    return TrainLoader(SharedStream(spec, trial, consumer, batch_size, prefetch, epochs, rank), batch_size, epochs,
-                       tags, **options)
+    return _checked(TrainLoader(SharedStream(spec, trial, consumer, batch_size, prefetch, epochs, rank), batch_size,
+                                epochs, tags, **options))
+
+
+def _checked(loader: TrainLoader) -> TrainLoader:
+    """``loader``, unless its rank's share of an epoch is empty (drop_last with fewer samples than ranks)."""
+    if loader.samples_per_epoch == 0:
+        loader.close()
+        raise ConfigError(f"train_loader: an epoch of {loader._stream.samples_per_epoch} samples over {loader.world} "
+                          "ranks with drop_last=True leaves each rank nothing; use drop_last=False or fewer ranks")
+    return loader
+
+
+def _check_data_parallel(spec: DataSpec, echo: EchoSpec, shard: Shard, trial: str) -> None:
+    """Refuse what would give the ranks of a data-parallel trial unequal epochs (an all-reduce would hang)."""
+    who = f"train_loader (trial {trial}, rank {shard.rank} of {shard.world})"
+    if echo.mode == "auto":
+        raise ConfigError(f"{who}: echo='auto' echoes while this rank's data is late, so ranks would cut different "
+                          "numbers of batches and DDP's all-reduce would hang; use echo='example:e' or 'batch:e'")
+    if spec.views > 1:
+        raise ConfigError(f"{who}: data.views={spec.views} lays a piece's views one after another, so the ranks would "
+                          "get unequal fresh samples; use views=1 with echo='example:e' for repeats")
 
 
 def _warn_unshared(why: str) -> None:

@@ -157,7 +157,7 @@ class GroupRegistry:
             return group.actor
 
     async def meet(self, spec: DataSpec, trial: str, consumer: str, rank: int, world: int, node: str,
-                   epochs: int | None, process: Any, timeout_s: float) -> dict[str, Any]:
+                   epochs: int | None, process: Any, timeout_s: float, workers: str | None = None) -> dict[str, Any]:
         """Rank ``rank`` of ``world`` of data-parallel ``trial`` arrives from ``node`` with its loader
         ``consumer`` (the trial id, or ``<trial>#<k>`` for its k-th loader); returns, once every rank
         of that loader has arrived, its coordinator and its place there.
@@ -165,8 +165,10 @@ class GroupRegistry:
         The ranks must read the same epochs, so they start on one piece, and each node's
         coordinator serves the ranks on its node:
 
-        1. A rank number that arrived already, or another world size, is a new worker group (Ray
-           Train restarted it after a failure): the old rendezvous is dropped.
+        1. Another worker group (``workers``: Ray Train V2's id of the group, where it has one), a
+           rank number that arrived already, or another world size is a new worker group (Ray
+           Train restarted it after a failure): the old rendezvous is dropped. A rank that gives up
+           waiting takes its arrival back, so a dead group's arrivals do not complete a new one.
         2. When all ``world`` ranks are there, each of their nodes' coordinators says the lowest
            join point it can serve from (what it still holds), the start is the highest, and each
            registers its own ranks there at once (``Coordinator.join_ranks``), keeping every piece
@@ -176,23 +178,28 @@ class GroupRegistry:
            start: the same bytes, exactly once still.
 
         Raises:
-            PrepError: The other ranks did not arrive within ``timeout_s`` (named).
+            PrepError: The other ranks did not arrive, or were not placed, within ``timeout_s`` (named).
         """
         key = (spec.group_key, consumer)
         meeting = self._rendezvous.get(key)
-        if meeting is None or meeting.world != world or rank in meeting.arrivals:
-            meeting = self._rendezvous[key] = _Rendezvous(world)
+        if (meeting is None or meeting.world != world or rank in meeting.arrivals
+                or workers is not None and meeting.workers != workers):
+            meeting = self._rendezvous[key] = _Rendezvous(world, workers)
         meeting.arrivals[rank] = (node, process, epochs)
         if len(meeting.arrivals) == world:
             meeting.placing = asyncio.ensure_future(self._place(spec, trial, consumer, meeting))
             async with meeting.arrived:
                 meeting.arrived.notify_all()
+        deadline = asyncio.get_running_loop().time() + timeout_s  # one bound for arriving and being placed
         try:
             async with meeting.arrived:
                 await asyncio.wait_for(meeting.arrived.wait_for(lambda: meeting.placing is not None), timeout_s)
-            placed = await asyncio.wait_for(asyncio.shield(meeting.placing), timeout_s)  # type: ignore[arg-type]
+            left = max(0.0, deadline - asyncio.get_running_loop().time())
+            placed = await asyncio.wait_for(asyncio.shield(meeting.placing), left)  # type: ignore[arg-type]
         except asyncio.TimeoutError:
-            missing = sorted(set(range(world)) - set(meeting.arrivals))
+            if meeting.placing is None:
+                meeting.arrivals.pop(rank, None)  # gone: a later group must not count this rank as arrived
+            missing = sorted(set(range(world)) - set(meeting.arrivals) - {rank})
             waited = f"for ranks {missing} to create their loaders" if missing else "for its ranks to be placed"
             raise PrepError(f"trial {trial}: rank {rank} of {world} waited {timeout_s}s {waited}; every rank must "
                             "call train_loader (raise data.fetch_timeout_s if the workers start slowly)") from None
@@ -210,7 +217,14 @@ class GroupRegistry:
         start = max(lows)
         answers = await asyncio.gather(*(coordinators[node].join_ranks.remote(consumer, ranks, meeting.world, start,
                                                                               epochs)
-                                         for node, ranks in by_node.items()))
+                                         for node, ranks in by_node.items()), return_exceptions=True)
+        failed = [a for a in answers if isinstance(a, BaseException)]
+        if failed:  # no half-placed group: the ranks registered elsewhere leave again, and every rank fails
+            for node, answer in zip(by_node, answers):
+                if isinstance(answer, dict):
+                    for rank, token in answer["tokens"].items():
+                        coordinators[node].leave.remote(f"{consumer}@{rank}", token)
+            raise failed[0]
         placed: dict[int, dict[str, Any]] = {}
         for node, answer in zip(by_node, answers):
             for rank in by_node[node]:
@@ -625,8 +639,9 @@ async def _alive(actor: Any) -> bool:
 class _Rendezvous:
     """The ranks of one worker group of a data-parallel trial, as they arrive (see ``meet``)."""
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, workers: str | None = None) -> None:
         self.world = world
+        self.workers = workers  # the worker group's id, where Ray Train gives one
         self.arrivals: dict[int, tuple[str, Any, int | None]] = {}  # rank -> (node, process, epochs)
         self.arrived = asyncio.Condition()
         self.placing: asyncio.Future | None = None  # once every rank is there

@@ -19,6 +19,7 @@ from coordinated_prep.naming import NAMESPACE, registry_name
 from coordinated_prep.plan import stream_plan
 from coordinated_prep.readonly import protect
 from coordinated_prep.spec import DataSpec
+from coordinated_prep.context import worker_group
 from coordinated_prep.watch import this_process
 
 logger = logging.getLogger(__name__)
@@ -166,8 +167,8 @@ class SharedStream:
         process = this_process(ray.get_runtime_context().get_actor_id())  # watched: a paused trial's process ends
         if rank is not None:  # the trial's ranks meet at the registry, which places each on its node at one start
             placed = self._call(registry.meet.remote(self._spec, trial, self._trial, rank[0], rank[1], node, epochs,
-                                                     process, self._timeout),
-                                "meeting its sibling ranks", self._timeout + 60)
+                                                     process, self._timeout, worker_group()),
+                                "meeting its sibling ranks", self._timeout + 60)  # the registry gives up first
             self._coordinator = placed["coordinator"]
             consumer = f"{self._trial}@{rank[0]}"
             if placed["info"] is None:

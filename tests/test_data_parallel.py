@@ -233,3 +233,23 @@ def test_ray_train_v1_ranks_share_too(tmp_path):
         ranks = [np.load(tmp_path / f) for f in files if f.endswith(f"epoch{epoch}.npy")]
         assert len(ranks) == 2 and len(ranks[0]) == len(ranks[1]) == n // 2
         assert len(np.unique(np.concatenate(ranks))) == n, "the ranks' shares are disjoint and cover the epoch"
+
+
+@pytest.mark.parametrize("options, error", [
+    ({"echo": "auto"}, "echo='auto' echoes while this rank's data is late"),
+    ({"views": 2}, "data.views=2 lays a piece's views one after another"),
+    ({"drop_last": True, "world": 500}, "leaves each rank nothing"),
+])
+def test_what_would_give_ranks_unequal_epochs_is_refused(small_dataset, monkeypatch, options, error):
+    from coordinated_prep import ConfigError
+    from coordinated_prep import loader as loader_module
+    from coordinated_prep.context import Whereabouts
+
+    world = options.pop("world", 2)
+    monkeypatch.setattr(loader_module, "whereabouts", lambda stamped: Whereabouts("t1", 0, world, True))
+    spec = _spec(small_dataset, coordinated=False, views=options.pop("views", 1))
+    with pytest.raises(ConfigError, match=error):
+        train_loader({"data": spec}, batch_size=8, epochs=1, num_workers=0, **options)
+    ranks = [train_loader({"data": _spec(small_dataset, coordinated=False)}, batch_size=8, epochs=1, num_workers=0,
+                          echo="example:2")]  # fixed echo is fine
+    assert ranks[0].world == 2 and ranks[0].rank == 0 or world != 2

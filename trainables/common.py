@@ -111,15 +111,15 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
     session = session or (distributed.TrainSession() if distributed.in_worker() else TuneSession())
     torch.set_num_threads(int(config.get("torch_threads", 1)))
     torch.manual_seed(int(config.get("model_seed", 0)))  # reproducible initialisation per trial
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = distributed.device()
     spec = resolve_spec(config)
     if spec.user_transforms:
         raise ConfigError(f"trainable {getattr(build, '__module__', 'fit')}: trains the built-in image pipeline (uint8 "
                           "images of a builtin or directory dataset, normalised here); with your own dataset or "
                           "transforms use trainables.loop.fit_task, as cifar_cnn, seg_unet and audio_cnn do")
     cap_gpu_memory(config.get("gpu_memory_fraction"))  # gpu: auto's share: an overrun fails here, not next door
-    model = apply_memory(build(len(open_source(spec.dataset).classes), config).to(device), config.get("memory"))
-    model = distributed.prepare(model)  # DDP in a Ray Train worker of several
+    core = apply_memory(build(len(open_source(spec.dataset).classes), config).to(device), config.get("memory"))
+    model = distributed.prepare(core)  # DDP in a Ray Train worker of several; checkpoints hold the core's state
     optimizer = make_optimizer(model, config)
     epochs = int(config["epochs"])
     state = session.restore()
@@ -135,7 +135,7 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
             optimizer, max_lr=float(config["lr"]), total_steps=epochs * per_epoch, pct_start=0.25
         )
         if state:
-            _load(state, model, optimizer, scheduler, config)
+            _load(state, core, optimizer, scheduler, config)
         for epoch in range(done, epochs):
             model.train()
             wait = compute = train_loss = 0.0
@@ -155,7 +155,7 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
                 steps += 1
                 compute += time.perf_counter() - t1
             _advance(scheduler, (epoch + 1) * per_epoch)  # the epoch's last, partial batch of fresh samples
-            eval_loss, accuracy = evaluate(model, config, device, loss_fn)
+            eval_loss, accuracy = evaluate(core, config, device, loss_fn)  # the core: no collectives
             metrics = {"epoch": epoch + 1, "loss": eval_loss, "accuracy": accuracy,
                        "train_loss": train_loss / max(seen, 1), "samples": seen,
                        "private_samples": loader.private_samples, "data_wait_s": wait, "compute_s": compute,
@@ -165,7 +165,7 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
                        "fresh_samples": loader.epoch_counts.fresh, "echoed_samples": loader.epoch_counts.echoed,
                        "fresh_samples_total": loader.echo_counts.fresh,
                        "echoed_samples_total": loader.echo_counts.echoed}
-            session.report(metrics, {"epoch": epoch + 1, "lr": float(config["lr"]), "model": model.state_dict(),
+            session.report(metrics, {"epoch": epoch + 1, "lr": float(config["lr"]), "model": core.state_dict(),
                                      "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
 
 

@@ -70,6 +70,16 @@ def launch(config: Mapping[str, Any], loop: Callable[[dict], None]) -> None:
     trainer.fit()
 
 
+def device() -> torch.device:
+    """Where this process trains: its own GPU in a Ray Train worker (``ray.train.torch.get_device``),
+    else the first GPU if any, else the CPU."""
+    if in_worker():
+        from ray.train.torch import get_device
+
+        return get_device()
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def prepare(model: nn.Module) -> nn.Module:
     """``model`` wrapped for data-parallel training in a Ray Train worker of several (DDP); as it is elsewhere."""
     worker = _train_worker()

@@ -56,9 +56,10 @@ def fit_task(config: Mapping[str, Any], task: Task, session: Session | None = No
     session = session or (distributed.TrainSession() if distributed.in_worker() else TuneSession())
     torch.set_num_threads(int(config.get("torch_threads", 1)))
     torch.manual_seed(int(config.get("model_seed", 0)))  # reproducible initialisation per trial
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = distributed.device()
     num_classes = int(config.get("num_classes", task.num_classes))
-    model = distributed.prepare(task.build(num_classes, config).to(device))  # DDP in a Ray Train worker of several
+    core = task.build(num_classes, config).to(device)
+    model = distributed.prepare(core)  # DDP in a Ray Train worker of several; checkpoints hold the core's state
     optimizer = make_optimizer(model, config)
     epochs, batch_size = int(config["epochs"]), int(config["batch_size"])
     state = session.restore()
@@ -72,16 +73,16 @@ def fit_task(config: Mapping[str, Any], task: Task, session: Session | None = No
         scheduler = torch.optim.lr_scheduler.OneCycleLR(
             optimizer, max_lr=float(config["lr"]), total_steps=epochs * per_epoch, pct_start=0.25)
         if state:
-            _load(state, model, optimizer, scheduler, config)
+            _load(state, core, optimizer, scheduler, config)
         for epoch in range(done, epochs):
             metrics = train_epoch(model, optimizer, scheduler, loss_fn, loader, device, epoch * per_epoch)
             _advance(scheduler, (epoch + 1) * per_epoch)
-            eval_loss, scores = evaluate(model, config, device, loss_fn, task.scores(num_classes))
+            eval_loss, scores = evaluate(core, config, device, loss_fn, task.scores(num_classes))  # no collectives
             metrics.update({"epoch": epoch + 1, "loss": eval_loss, **scores,
                             "private_samples": loader.private_samples,
                             "copied_fraction": loader.stats.copied_fraction,
                             "loader_cpu_ms_per_batch": loader.stats.cpu_ms_per_batch})
-            session.report(metrics, {"epoch": epoch + 1, "lr": float(config["lr"]), "model": model.state_dict(),
+            session.report(metrics, {"epoch": epoch + 1, "lr": float(config["lr"]), "model": core.state_dict(),
                                      "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
 
 
