@@ -14,7 +14,7 @@ from typing import Any, Generator, Iterator, Mapping
 from coordinated_prep import metrics
 from coordinated_prep.context import whereabouts
 from coordinated_prep.pipeline.batching import Batch, Batcher, BatchStats, batched
-from coordinated_prep.pipeline.shard import Shard, ShardBatcher
+from coordinated_prep.pipeline.shard import Shard, ShardBatcher, rank_counts
 from coordinated_prep.echo import EchoCounts, EchoSpec, echoed, epoch_rng
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.eval_stream import private_eval_pieces, shared_eval_pieces
@@ -188,7 +188,8 @@ class TrainLoader:
         else:  # global batches of world x batch_size, of which this rank takes its rows
             whole = Batcher(pieces, self.batch_size * self.shard.world, self.stats, self._stream.ready,
                             self._stream.chunks_per_epoch)
-            fresh = ShardBatcher(whole, self.batch_size, self.shard)  # type: ignore[assignment]
+            batches = rank_counts(self._stream.samples_per_epoch, self.batch_size, self.shard)[1]
+            fresh = ShardBatcher(whole, self.batch_size, self.shard, batches)  # type: ignore[assignment]
         yield from echoed(fresh, self.echo, epoch_rng(self._seed, self._stream.start, epoch))
 
     def close(self) -> None:
@@ -285,7 +286,8 @@ def train_loader(
     _LOADERS[trial] += 1  # a trial's k-th loader is its own consumer: several loaders per trial work
     consumer = trial if _LOADERS[trial] == 1 else f"{trial}#{_LOADERS[trial]}"
     rank = None if shard is None else (shard.rank, shard.world)
-    return _checked(TrainLoader(SharedStream(spec, trial, consumer, batch_size, prefetch, epochs, rank), batch_size,
+    cut = batch_size * where.world  # a rank cuts global batches: prefetch covers those
+    return _checked(TrainLoader(SharedStream(spec, trial, consumer, cut, prefetch, epochs, rank), batch_size,
                                 epochs, tags, **options))
 
 

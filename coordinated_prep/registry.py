@@ -46,7 +46,7 @@ from coordinated_prep.pipeline.sources import folder_root
 from coordinated_prep.pipeline.sources.fingerprint import Fingerprint, check_same_index
 from coordinated_prep.pipeline.sources.shared_index import walk
 from coordinated_prep.spec import DataSpec
-from coordinated_prep.watch import trial_of
+from coordinated_prep.watch import Process, trial_of
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ _CALL_TIMEOUT_S = 30.0
 _STAT_S_PER_FILE = 0.005
 _WALK_TIMEOUT_S = 3600.0  # the walk itself (readdir only), once per dataset and node
 _LIVENESS_TIMEOUT_S = 10.0
+_PLACE_TIMEOUT_S = 3 * _CALL_TIMEOUT_S  # placing a trial's ranks: a group's start and two calls to its coordinators
 _KEPT_INCARNATIONS = 50  # per group, the most recent coordinators' own counters kept in reports
 _SUMMED = ("samples_prepared", "samples_served", "pieces_prepared", "pieces_failed", "trials_joined",
            "fetch_s", "transform_s", "put_s", "prep_cpu_s", "evictions", "storage_reads", "cache_hits",
@@ -168,7 +169,10 @@ class GroupRegistry:
         1. Another worker group (``workers``: Ray Train V2's id of the group, where it has one), a
            rank number that arrived already, or another world size is a new worker group (Ray
            Train restarted it after a failure): the old rendezvous is dropped. A rank that gives up
-           waiting takes its arrival back, so a dead group's arrivals do not complete a new one.
+           waiting takes its arrival back, and the arrivals of ranks whose process ended on the
+           registry's node are taken back at the next arrival (``_Rendezvous.drop_gone``), so a dead
+           group's arrivals do not complete a new one (elsewhere, where Ray Train gives no group id,
+           as V1: not before they time out).
         2. When all ``world`` ranks are there, each of their nodes' coordinators says the lowest
            join point it can serve from (what it still holds), the start is the highest, and each
            registers its own ranks there at once (``Coordinator.join_ranks``), keeping every piece
@@ -182,6 +186,8 @@ class GroupRegistry:
         """
         key = (spec.group_key, consumer)
         meeting = self._rendezvous.get(key)
+        if meeting is not None and meeting.placing is None:
+            meeting.drop_gone(ray.get_runtime_context().get_node_id())
         if (meeting is None or meeting.world != world or rank in meeting.arrivals
                 or workers is not None and meeting.workers != workers):
             meeting = self._rendezvous[key] = _Rendezvous(world, workers)
@@ -190,11 +196,12 @@ class GroupRegistry:
             meeting.placing = asyncio.ensure_future(self._place(spec, trial, consumer, meeting))
             async with meeting.arrived:
                 meeting.arrived.notify_all()
-        deadline = asyncio.get_running_loop().time() + timeout_s  # one bound for arriving and being placed
+        deadline = asyncio.get_running_loop().time() + timeout_s  # the bound for arriving and being placed
         try:
             async with meeting.arrived:
                 await asyncio.wait_for(meeting.arrived.wait_for(lambda: meeting.placing is not None), timeout_s)
-            left = max(0.0, deadline - asyncio.get_running_loop().time())
+            # placing is quick and bounded itself; a rank that waited long for the last still sees it done
+            left = max(_PLACE_TIMEOUT_S, deadline - asyncio.get_running_loop().time())
             placed = await asyncio.wait_for(asyncio.shield(meeting.placing), left)  # type: ignore[arg-type]
         except asyncio.TimeoutError:
             if meeting.placing is None:
@@ -212,12 +219,22 @@ class GroupRegistry:
         for rank, (node, process, _) in sorted(meeting.arrivals.items()):
             by_node.setdefault(node, {})[rank] = process
         epochs = meeting.arrivals[0][2]
-        coordinators = {node: await self.group_for(spec, trial, node) for node in by_node}
-        lows = await asyncio.gather(*(c.join_point.remote() for c in coordinators.values()))
+        for attempt in (1, 2):  # a coordinator that died in between is replaced when asked again: once
+            coordinators = {node: await self.group_for(spec, trial, node) for node in by_node}
+            try:
+                lows = await asyncio.wait_for(asyncio.gather(*(c.join_point.remote() for c in coordinators.values())),
+                                              _CALL_TIMEOUT_S)
+                break
+            except ray.exceptions.RayActorError:
+                if attempt == 2:
+                    raise
+                logger.warning("trial %s: a coordinator of group %s died as its ranks were placed; asking for a new one",
+                               trial, spec.group_key)
         start = max(lows)
-        answers = await asyncio.gather(*(coordinators[node].join_ranks.remote(consumer, ranks, meeting.world, start,
-                                                                              epochs)
-                                         for node, ranks in by_node.items()), return_exceptions=True)
+        answers = await asyncio.wait_for(
+            asyncio.gather(*(coordinators[node].join_ranks.remote(consumer, ranks, meeting.world, start, epochs)
+                             for node, ranks in by_node.items()), return_exceptions=True),
+            _CALL_TIMEOUT_S)  # past it, ranks registered on a node are released by its watch when they fail
         failed = [a for a in answers if isinstance(a, BaseException)]
         if failed:  # no half-placed group: the ranks registered elsewhere leave again, and every rank fails
             for node, answer in zip(by_node, answers):
@@ -645,6 +662,14 @@ class _Rendezvous:
         self.arrivals: dict[int, tuple[str, Any, int | None]] = {}  # rank -> (node, process, epochs)
         self.arrived = asyncio.Condition()
         self.placing: asyncio.Future | None = None  # once every rank is there
+
+    def drop_gone(self, here: str) -> None:
+        """Take back the arrivals of ranks whose process on node ``here`` (the registry's) has ended:
+        a worker group that died before all its ranks arrived must not complete a new group's
+        meeting (where Ray Train gives no group id, as V1). Other nodes' ranks time out instead."""
+        for rank, (node, process, _) in list(self.arrivals.items()):
+            if node == here and Process(*process).ended():
+                del self.arrivals[rank]
 
 
 def _merge(reports: dict[str, dict[str, Any]], key: str, live: dict[str, Any], spec: DataSpec) -> None:

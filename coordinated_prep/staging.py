@@ -154,7 +154,7 @@ class StagingBuffer:
     def join_point(self) -> int:
         """The first piece a consumer joining now would start on: the first join point from which
         every piece up to the head is still staged."""
-        return self._next_join_point(self._lowest_staged())
+        return self._next_join_point(self._run_low())
 
     def join_together(self, trials: list[str], pieces: int | None = None,
                       at: int | None = None) -> tuple[list[int], int] | None:
@@ -169,7 +169,7 @@ class StagingBuffer:
         """
         for trial in trials:
             self.leave(trial)
-        if at is not None and at < self._lowest_staged():
+        if at is not None and at < self._run_low():
             return None
         start = self.join_point() if at is None else at
         tokens = []
@@ -186,15 +186,6 @@ class StagingBuffer:
         self._advance_head()
         self._prune_kept()  # kept pieces below its start: no later joiner starts lower
         return tokens, start
-
-    def _lowest_staged(self) -> int:
-        """The lowest piece of the contiguous staged run that ends at the head (the head if none)."""
-        low = self.head
-        for g in range(self.head - 1, -1, -1):  # walk down over the contiguous staged run
-            if g not in self.slots:
-                break
-            low = g
-        return low
 
     def is_current(self, trial: str, token: int) -> bool:
         """Whether ``token`` is the live incarnation of ``trial``."""

@@ -118,7 +118,7 @@ class SharedStream:
         consumer: The id the coordinator knows this loader by: the trial id, with ``#k`` appended
             for the trial's k-th loader, so that one trial may read several loaders (and
             ``@<rank>`` for a data-parallel rank, appended by the coordinator).
-        batch_size: The trial's batch size.
+        batch_size: The trial's batch size (a data-parallel rank's global batch: it reads those).
         prefetch: Pieces requested ahead (bounded); None: two batches' worth, and at least two pieces.
         epochs: Epochs the trial will read, if it knows: nothing past them is requested or prepared.
         rank: ``(r, k)``: rank ``r`` of a data-parallel trial of ``k`` workers, which reads every
@@ -168,7 +168,7 @@ class SharedStream:
         if rank is not None:  # the trial's ranks meet at the registry, which places each on its node at one start
             placed = self._call(registry.meet.remote(self._spec, trial, self._trial, rank[0], rank[1], node, epochs,
                                                      process, self._timeout, worker_group()),
-                                "meeting its sibling ranks", self._timeout + 60)  # the registry gives up first
+                                "meeting its sibling ranks", self._timeout + 120)  # the registry gives up first
             self._coordinator = placed["coordinator"]
             consumer = f"{self._trial}@{rank[0]}"
             if placed["info"] is None:

@@ -32,6 +32,10 @@ class Process(NamedTuple):
     started: str  # the kernel's start time of the process (``/proc/<pid>/stat`` field 22)
     actor_id: str | None  # the Tune actor it runs, if any: one actor reused for another trial ends the first
 
+    def ended(self) -> bool:
+        """Whether this process has ended (asked on its own node: pid reuse shows as another start time)."""
+        return _start_time(self.pid) != self.started
+
 
 def this_process(actor_id: str | None) -> Process:
     """The calling process's :class:`Process`."""
@@ -103,7 +107,7 @@ class ProcessWatch:
             if fd is not None:  # a pidfd turns readable when its process exits
                 loop.add_reader(fd, lambda: ended.done() or ended.set_result(None))
             while self._is_current(consumer, token):
-                if not ended.done() and _start_time(process.pid) != process.started:
+                if not ended.done() and process.ended():
                     ended.set_result(None)  # gone (the check that finds it without a pidfd)
                 try:
                     await asyncio.wait_for(asyncio.shield(ended), WATCH_S)

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
 import warnings
 
 import numpy as np
@@ -15,10 +20,16 @@ from hypothesis import strategies as st
 from ray import tune
 
 from coordinated_prep import CoordinatedSearcher, DataSpec, PoolSpec, PrepService, train_loader
+from coordinated_prep.errors import ConfigError
+from coordinated_prep.loader import resolve_spec
 from coordinated_prep.pipeline.batching import Batch
 from coordinated_prep.pipeline.shard import Shard, ShardBatcher, rank_counts
 from coordinated_prep.pipeline.structure import make_layout
+from coordinated_prep.registry import _Rendezvous
 from coordinated_prep.staging import StagingBuffer
+from coordinated_prep.sweep.config import load_sweep
+from coordinated_prep.sweep.runner import run_sweep
+from coordinated_prep.watch import _start_time, this_process
 from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled
 from tests.harness import assert_exactly_once, reference_digests, train_ids
 from tests.recording import Gate, OpenOnResult, record_rank, record_ranks
@@ -26,10 +37,10 @@ from tests.recording import Gate, OpenOnResult, record_rank, record_ranks
 
 # -- the shard, without Ray ----------------------------------------------------------------
 class _Stream:
-    """A Batcher stand-in: global batches of ``size`` cut from the sample ids 0..n-1."""
+    """A Batcher stand-in: global batches of ``size`` cut from the sample ids ``rows``."""
 
-    def __init__(self, n: int, size: int) -> None:
-        self.batch_size, self._rows, self.stats = size, list(range(n)), None
+    def __init__(self, rows: list[int], size: int) -> None:
+        self.batch_size, self._rows, self.stats = size, list(rows), None
 
     def ready(self) -> bool:
         return True
@@ -43,16 +54,27 @@ class _Stream:
         return Batch(layout, [ids.to(torch.uint8).unsqueeze(1).repeat(1, 2), ids], ids, torch.zeros_like(ids))
 
 
+def _batches_per_rank(n: int, world: int, batch: int, drop_last: bool) -> int:
+    """Global batches of an epoch of ``n`` that leave each rank at least one row (the oracle)."""
+    size = world * batch
+    return sum(1 for s in range(0, n, size) if not drop_last or min(size, n - s) >= world)
+
+
+def _cut(rows: list[int], n: int, world: int, batch: int, shard: Shard) -> list[Batch]:
+    planned = rank_counts(n, batch, shard)[1]
+    return list(ShardBatcher(_Stream(rows, world * batch), batch, shard, planned))  # type: ignore[arg-type]
+
+
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(1, 300), world=st.integers(1, 5), batch=st.integers(1, 17), drop_last=st.booleans())
 def test_ranks_read_disjoint_shares_of_equal_length_that_cover_the_epoch(n, world, batch, drop_last):
     per_rank = []
     for rank in range(world):
         shard = Shard(rank, world, drop_last)
-        batches = list(ShardBatcher(_Stream(n, world * batch), batch, shard))  # type: ignore[arg-type]
+        batches = _cut(list(range(n)), n, world, batch, shard)
         assert all(len(b) == batch for b in batches[:-1]) and all(0 < len(b) <= batch for b in batches)
-        rows, count = rank_counts(n, batch, shard)
-        assert sum(len(b) for b in batches) == rows == shard.samples(n) and len(batches) == count
+        assert sum(len(b) for b in batches) == shard.samples(n)
+        assert len(batches) == _batches_per_rank(n, world, batch, drop_last) == rank_counts(n, batch, shard)[1]
         for b in batches:  # the leaves travel with their rows
             assert torch.equal(b.leaves[1], b.indices) and torch.equal(b.leaves[0][:, 0], b.indices.to(torch.uint8))
         per_rank.append(batches)
@@ -66,10 +88,28 @@ def test_ranks_read_disjoint_shares_of_equal_length_that_cover_the_epoch(n, worl
         assert len(pads) == world * math.ceil(n / world) - n and (pads < 0).all(), "pads are marked, not fresh"
 
 
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(2, 300), world=st.integers(2, 5), batch=st.integers(1, 17), drop_last=st.booleans(),
+       data=st.data())
+def test_ranks_whose_node_skipped_broken_samples_still_cut_as_many_batches_as_their_siblings(
+        n, world, batch, drop_last, data):
+    # rank 0's node read every sample; the others' skipped some (a transient error on one node only)
+    skipped = data.draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=min(n - 1, 2 * world * batch)))
+    short = [i for i in range(n) if i not in skipped]
+    planned = _batches_per_rank(n, world, batch, drop_last)
+    for rank in range(world):
+        batches = _cut(list(range(n)) if rank == 0 else short, n, world, batch, Shard(rank, world, drop_last))
+        assert len(batches) == planned, f"rank {rank} cut {len(batches)} batches, its siblings {planned}"
+        assert all(0 < len(b) <= batch for b in batches)
+        if rank:
+            fresh = {int(i) for b in batches for i in b.indices[b.repeats == 0]}
+            assert not fresh & skipped, "a skipped sample is not served"
+
+
 def test_a_bad_shard_is_a_clear_error():
-    with pytest.raises(Exception, match="rank=2 must be below world=2"):
+    with pytest.raises(ConfigError, match="rank=2 must be below world=2"):
         Shard(2, 2)
-    with pytest.raises(Exception, match="world=0"):
+    with pytest.raises(ConfigError, match="world=0"):
         Shard(0, 0)
 
 
@@ -89,6 +129,19 @@ def test_ranks_joining_together_start_on_one_piece_and_hold_it_until_each_fetche
         buffer.request("t@0", g)
         buffer.fetched("t@0", g, 1)
         assert g in buffer.slots and "t@1" in buffer.slots[g].waiting, "kept for the rank that has not fetched it"
+
+
+def test_a_dead_worker_groups_arrivals_do_not_complete_a_new_groups_meeting():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone = this_process(None)._replace(pid=dead.pid, started=_start_time(dead.pid) or "?")
+    dead.wait()  # the old group's rank 0 arrived, and died before its sibling did
+    meeting = _Rendezvous(world=2)
+    meeting.arrivals = {0: ("here", gone, 1), 1: ("there", gone, 1)}
+    meeting.drop_gone("here")
+    assert sorted(meeting.arrivals) == [1], "a rank that ended on the registry's node is taken back; others wait"
+    meeting.arrivals[0] = ("here", this_process(None), 1)
+    meeting.drop_gone("here")
+    assert sorted(meeting.arrivals) == [0, 1], "a live rank stays"
 
 
 # -- real sweeps -------------------------------------------------------------------------
@@ -172,6 +225,41 @@ def test_a_rank_killed_mid_epoch_restarts_the_worker_group_with_exact_epochs(ray
     assert [int(ranks[r][e]["resumed_from"]) for r in (0, 1) for e in (0, 1, 2)] == [0, 1, 1] * 2
     [report] = reports.values()
     assert report["cohorts"] == 2, "the restarted worker group joined as a new cohort"
+    assert live_coordprep_actors() == []
+
+
+def test_the_ready_trainable_trains_with_ddp_on_two_workers_from_yaml(ray_session, small_dataset, tmp_path):
+    name = f"ddp-{tmp_path.name}"
+    path = tmp_path / "ddp.yaml"
+    path.write_text(textwrap.dedent(f"""
+        name: {name}
+        storage_path: {tmp_path / "runs"}
+        trainable: small_cnn
+        data: {{dataset: {small_dataset}, pipeline: {{size: 24}}, chunk_size: 16, holdout: 0.2}}
+        pool: {{actors: 1, cpus: 0.5}}
+        search_space: {{lr: {{grid: [0.02, 0.05]}}, batch_size: 8, width: 4, epochs: 3, workers: 2,
+                        cpu_per_worker: 0.2}}
+        max_concurrent_trials: 2
+        resources_per_trial: {{cpu: 0.1}}
+    """))
+    cfg = load_sweep(str(path))
+    summary = run_sweep(cfg, verbose=0)
+    storage = os.path.join(tempfile.gettempdir(), "coordprep-train", name)
+    try:
+        kept = {t: [d for d in os.listdir(os.path.join(storage, t))
+                    if d.startswith("checkpoint_") and os.path.isdir(os.path.join(storage, t, d))]
+                for t in os.listdir(storage)}
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+    trials = summary["trials"]
+    assert [t["status"] for t in trials] == ["TERMINATED"] * 2, trials
+    assert all(t["ranks"] == 2 and t["epochs"] == 3 and t["private_samples"] == 0 for t in trials), trials
+    [group] = summary["groups"].values()
+    n = len(train_ids(resolve_spec({"data": cfg.data})))
+    assert 3 * n <= group["samples_prepared"] < 4 * n, group  # one pass per epoch for both trials' four ranks
+    assert group["samples_served"] == 2 * 2 * 3 * n, group
+    assert sorted(kept) == sorted(t["trial"] for t in trials), kept
+    assert all(len(c) == 2 for c in kept.values()), f"the newest two of three checkpoints are kept: {kept}"
     assert live_coordprep_actors() == []
 
 

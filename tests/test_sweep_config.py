@@ -521,3 +521,13 @@ def test_every_searcher_gives_each_trial_the_dataspec_of_its_values(tmp_path, se
         assert spec.seed == 3 and spec.pipeline.ratio == cfg.data.pipeline.ratio, "the rest as data gives it"
         specs.append(spec)
     assert len({s.group_key for s in specs}) == 4, "a continuous value: a data group per trial"
+
+
+@pytest.mark.parametrize("workers", ["2", "{choice: [1, 2]}"])
+def test_pbt_refuses_data_parallel_trials_whose_checkpoints_tune_never_receives(tmp_path, workers):
+    text = GOOD.replace("  epochs: 2\n", f"  epochs: 2\n  workers: {workers}\n")
+    path = _write(tmp_path, text.replace(SCHEDULER, "scheduler: {type: pbt, hyperparam_mutations: "
+                                                    "{lr: {uniform: [0.01, 0.1]}}}"))
+    with pytest.raises(ConfigError, match=r"search_space.workers: scheduler pbt copies a better trial's checkpoint"):
+        load_sweep(path)
+    load_sweep(_write(tmp_path, text))  # the same trials under GOOD's scheduler are fine

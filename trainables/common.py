@@ -50,21 +50,33 @@ class TuneSession:
         from ray import tune
 
         checkpoint = tune.get_checkpoint()
-        if checkpoint is None:
-            return None
-        with checkpoint.as_directory() as d:
-            path = os.path.join(d, STATE_FILE)
-            if not os.path.exists(path):
-                raise ConfigError(f"checkpoint {checkpoint.path}: no {STATE_FILE}; it was not written by "
-                                  "trainables.common.fit, so this trial cannot resume from it")
-            return torch.load(path, map_location="cpu", weights_only=True)
+        return None if checkpoint is None else load_state(checkpoint)
 
     def report(self, metrics: dict[str, Any], state: dict[str, Any]) -> None:
         from ray import tune
 
         with tempfile.TemporaryDirectory(prefix="coordprep-ckpt-") as d:
-            torch.save(state, os.path.join(d, STATE_FILE))
+            save_state(d, state)
             tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))  # Tune copies it to storage
+
+
+def save_state(directory: str, state: dict[str, Any]) -> None:
+    """Write ``state`` into a checkpoint directory (weights-only ``torch.save``)."""
+    torch.save(state, os.path.join(directory, STATE_FILE))
+
+
+def load_state(checkpoint: Any) -> dict[str, Any]:
+    """The state a Tune or Ray Train checkpoint written by :func:`save_state` holds.
+
+    Raises:
+        ConfigError: The checkpoint has no state file (it was written by something else).
+    """
+    with checkpoint.as_directory() as d:
+        path = os.path.join(d, STATE_FILE)
+        if not os.path.exists(path):
+            raise ConfigError(f"checkpoint {checkpoint.path}: no {STATE_FILE}; it was not written by "
+                              "trainables.common.fit, so this trial cannot resume from it")
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.Module],

@@ -6,7 +6,9 @@ each rank's :func:`~coordinated_prep.train_loader` reads its share of the trial'
 group's shared stream (``batch_size`` is per rank), rank 0's metrics reach Tune
 (``TuneReportCallback``) and rank 0 writes the checkpoints. A worker that dies makes Ray Train
 restart the whole worker group (``worker_failures`` times, default 0), which resumes from the last
-checkpoint with exact epochs.
+checkpoint with exact epochs. The checkpoints (the newest two) stay with the Ray Train run, on this
+node under the temp directory per experiment and trial; Tune never receives them, so a sweep refuses
+PBT and PB2, which copy Tune checkpoints between trials, for ``workers`` > 1.
 
 Config keys read here: ``workers`` (1: train in the trial's own process), ``cpu_per_worker``
 (0.25), ``gpu_per_worker`` (0; above 0 the workers use CUDA and NCCL), ``worker_failures`` (0).
@@ -21,12 +23,8 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from coordinated_prep.context import _train_worker
+from coordinated_prep.context import whereabouts
 from coordinated_prep.errors import ConfigError
-
-#: The file a checkpoint holds (as trainables.common's).
-STATE_FILE = "state.pt"
-
 
 def workers_of(config: Mapping[str, Any]) -> int:
     """``config["workers"]``, checked: the Ray Train workers a trial trains on (1: none)."""
@@ -38,7 +36,7 @@ def workers_of(config: Mapping[str, Any]) -> int:
 
 def in_worker() -> bool:
     """Whether this process is a Ray Train worker."""
-    return _train_worker() is not None
+    return whereabouts().train
 
 
 def launch(config: Mapping[str, Any], loop: Callable[[dict], None]) -> None:
@@ -48,7 +46,7 @@ def launch(config: Mapping[str, Any], loop: Callable[[dict], None]) -> None:
         ConfigError: A bad ``workers``, ``cpu_per_worker``, ``gpu_per_worker`` or ``worker_failures``.
     """
     from ray import tune
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
     from ray.tune.integration.ray_train import TuneReportCallback
 
@@ -66,6 +64,7 @@ def launch(config: Mapping[str, Any], loop: Callable[[dict], None]) -> None:
         loop, train_loop_config=dict(config),
         scaling_config=ScalingConfig(num_workers=k, use_gpu=bool(gpus), resources_per_worker=resources),
         run_config=RunConfig(name=trial, storage_path=storage, failure_config=FailureConfig(max_failures=int(failures)),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2),  # bounded: a restart resumes from the newest
                              callbacks=[TuneReportCallback()]))
     trainer.fit()
 
@@ -82,8 +81,7 @@ def device() -> torch.device:
 
 def prepare(model: nn.Module) -> nn.Module:
     """``model`` wrapped for data-parallel training in a Ray Train worker of several (DDP); as it is elsewhere."""
-    worker = _train_worker()
-    if worker is None or worker[1] == 1:
+    if whereabouts().world == 1:
         return model
     from ray.train.torch import prepare_model
 
@@ -97,11 +95,10 @@ class TrainSession:
     def restore(self) -> dict[str, Any] | None:
         import ray.train
 
+        from trainables.common import load_state
+
         checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None:
-            return None
-        with checkpoint.as_directory() as d:
-            return torch.load(os.path.join(d, STATE_FILE), map_location="cpu", weights_only=True)
+        return None if checkpoint is None else load_state(checkpoint)
 
     def report(self, metrics: dict[str, Any], state: dict[str, Any]) -> None:
         import ray.train
@@ -109,6 +106,8 @@ class TrainSession:
         if ray.train.get_context().get_world_rank() != 0:
             ray.train.report(metrics)
             return
+        from trainables.common import save_state
+
         with tempfile.TemporaryDirectory(prefix="coordprep-ckpt-") as d:
-            torch.save(state, os.path.join(d, STATE_FILE))
+            save_state(d, state)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))

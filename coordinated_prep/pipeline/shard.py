@@ -19,12 +19,15 @@ has none left: unequal counts hang DDP), and the union of the ranks' fresh sampl
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Iterator
 
-from coordinated_prep.errors import ConfigError
+from coordinated_prep.errors import ConfigError, PrepError
 from coordinated_prep.pipeline.batching import Batch, Batcher, select
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,13 +75,22 @@ class Shard:
 
 class ShardBatcher:
     """A :class:`~coordinated_prep.pipeline.batching.Batcher` of one rank: global batches of
-    ``world x batch_size``, of which it hands out this rank's rows (the interface ``echoed`` reads)."""
+    ``world x batch_size``, of which it hands out this rank's rows (the interface ``echoed`` reads).
 
-    def __init__(self, inner: Batcher, batch_size: int, shard: Shard) -> None:
+    It cuts ``batches`` per epoch, the count :func:`rank_counts` gives for the epoch's planned
+    samples, whatever the pieces held: where broken samples were skipped (``on_error="skip"``) and
+    the epoch came out shorter on this rank's node than on a sibling's (a transient read error on
+    one node), it repeats its last batch (``repeats`` negative, as pads) so the ranks' counts stay
+    equal and their all-reduce does not wait for a batch that never comes.
+    """
+
+    def __init__(self, inner: Batcher, batch_size: int, shard: Shard, batches: int) -> None:
         self._inner = inner
         self.batch_size = batch_size
         self.stats = inner.stats
         self._shard = shard
+        self._left = batches
+        self._last: Batch | None = None
 
     def ready(self) -> bool:
         """Whether :meth:`next` would return without waiting for a piece."""
@@ -86,8 +98,25 @@ class ShardBatcher:
 
     def next(self) -> Batch | None:
         """This rank's next batch, or None once the epoch is spent."""
-        whole = self._inner.next()
-        return None if whole is None else self._shard.cut(whole, self.batch_size)
+        while (whole := self._inner.next()) is not None:
+            self._last = whole
+            mine = self._shard.cut(whole, self.batch_size)
+            if mine is not None:
+                self._left -= 1
+                self._last = mine
+                return mine
+        if self._left <= 0:
+            return None
+        rank, world = self._shard.rank, self._shard.world
+        if self._last is None:  # raising ends the worker group (Ray Train restarts it): its siblings do not hang
+            raise PrepError(f"rank {rank} of {world}: every sample of this epoch was skipped as broken on this node "
+                            "(data.on_error='skip'); check the dataset, or use on_error='raise' to see the first")
+        logger.warning("rank %d of %d: this epoch held fewer samples than planned (broken samples skipped); a batch "
+                       "of repeats pads it so every rank cuts the same number of batches", rank, world)
+        self._left -= 1
+        last = self._last  # this rank's last batch, or the epoch's short remainder it had no rows of
+        rows = range(min(len(last), self.batch_size))
+        return select([(last, i) for i in rows], [min(int(last.repeats[i]), 0) - 1 for i in rows])
 
     def __iter__(self) -> Iterator[Batch]:
         while (batch := self.next()) is not None:
