@@ -71,7 +71,7 @@ from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.sweep.algorithms import (FifoSpec, PB2Spec, PBTSpec, SchedulerSpec, SearchSpec, parse_scheduler,
                                                parse_search)
-from coordinated_prep.sweep.data_space import DataSearch, check_data_search, data_keys
+from coordinated_prep.sweep.data_space import DataSearch, candidates_of, check_data_search, data_keys
 from coordinated_prep.sweep.syntax import DISTRIBUTIONS, Dimension, check_keys, parse_dimension
 from coordinated_prep.sweep.yaml_loader import load_yaml
 
@@ -81,7 +81,7 @@ TOP_KEYS = ("name", "storage_path", "trainable", "data", "search_space", "num_sa
             "max_failures", "resources_per_trial", "metric", "mode", "scheduler", "search", "ray", "cache", "pool")
 #: What the registered trainables need of their search space: (integer?, lowest value, required?).
 TRAINABLE_KEYS = {"lr": (False, 0.0, True), "batch_size": (True, 1, True), "epochs": (True, 1, True),
-                  "width": (True, 1, False)}
+                  "width": (True, 1, False), "workers": (True, 1, False), "worker_failures": (True, 0, False)}
 RAY_KEYS = ("num_cpus", "object_store_memory", "include_dashboard", "dashboard_host", "metrics_export_port",
             "node_ip_address")
 
@@ -236,7 +236,8 @@ def _check_dataset(dataset: str, name: str = "data.dataset") -> None:
 
 def _check_trainable_keys(space: Mapping[str, Any], trainable: str, scheduler: SchedulerSpec) -> None:
     """Every value a registered trainable's key can take must be usable (batch_size 0 is not), the values
-    PBT and PB2 move a trial to included."""
+    PBT and PB2 move a trial to included; and PBT and PB2 do not move data-parallel trials (``workers``
+    above 1), whose checkpoints stay with their Ray Train runs."""
     for key, (_, _, required) in TRAINABLE_KEYS.items():
         if key not in space:
             if required:
@@ -247,6 +248,11 @@ def _check_trainable_keys(space: Mapping[str, Any], trainable: str, scheduler: S
         _check_memory("search_space.memory", space["memory"])
     if "echo" in space:
         _check_echo("search_space.echo", space["echo"])
+    if isinstance(scheduler, (PBTSpec, PB2Spec)) and any(
+            isinstance(k, int) and k > 1 for k in candidates_of(space.get("workers", 1))):
+        raise ConfigError(f"search_space.workers: scheduler {scheduler.type} copies a better trial's checkpoint into "
+                          "a worse trial, and a data-parallel trial's checkpoints stay with its Ray Train run (Tune "
+                          "never receives them); use workers: 1, or scheduler fifo, asha or hyperband")
     moves: Mapping[str, Any] = {}
     if isinstance(scheduler, PBTSpec):
         moves = {f"hyperparam_mutations.{k}": (k, v) for k, v in scheduler.hyperparam_mutations.items()}

@@ -46,8 +46,10 @@ def check_data_search(space: Mapping[str, Any], search: DataSearch | None, sched
         searched = list(search.keys) if search is not None else None
         raise ConfigError(f"SweepConfig: the data keys of search_space {list(keys)} must be those of data_search "
                           f"({searched}); build it as DataSearch(<the data mapping>, data_keys(search_space))")
+    if search is None:
+        return []
     check_scheduler(space, scheduler)
-    return [] if search is None else search.check(space)
+    return search.check(space)
 
 
 @dataclass(frozen=True)
@@ -150,8 +152,7 @@ def check_scheduler(space: Mapping[str, Any], scheduler: Any) -> None:
 
     Raises:
         ConfigError: A mutated or bounded key is a data key, or PBT/PB2 with a data key that is searched
-            (exploitation copies a better trial's config, its data included, into a worse trial), or with
-            data-parallel trials (``workers`` > 1: their checkpoints never reach Tune).
+            (exploitation copies a better trial's config, its data included, into a worse trial).
     """
     from coordinated_prep.sweep.algorithms import PB2Spec, PBTSpec
 
@@ -163,10 +164,6 @@ def check_scheduler(space: Mapping[str, Any], scheduler: Any) -> None:
             raise ConfigError(f"scheduler.{moved}.{key}: {scheduler.type} would change a running trial's data, and a "
                               f"trial cannot change data group mid-run; remove it from {moved} (search it in "
                               "search_space with scheduler fifo, asha or hyperband)")
-    if any(isinstance(k, int) and k > 1 for k in candidates_of(space.get("workers", 1))):
-        raise ConfigError(f"search_space.workers: scheduler {scheduler.type} copies a better trial's checkpoint into "
-                          "a worse trial, and a data-parallel trial's checkpoints stay with its Ray Train run (Tune "
-                          "never receives them); use workers: 1, or scheduler fifo, asha or hyperband")
     for key in data_keys(space):
         if isinstance(space[key], Dimension):
             raise ConfigError(f"search_space.{key}: scheduler {scheduler.type} copies a better trial's config, its "
