@@ -135,6 +135,7 @@ class Coordinator:
             "samples_skipped": 0, "storage_reads": 0, "cache_hits": 0, "decodes": 0, "tier_hits": 0,
             "decodes_by_epoch": {}, "node": node_id,
             "released_dead": 0, "stall_s": 0.0, "pieces_passed": 0, "cohorts": 0, "ranks": {},
+            "starts": {},
         }
         self.group = spec.group_key
         metrics.set_gauge("staging_budget_bytes", budget_bytes, group=self.group)
@@ -165,6 +166,7 @@ class Coordinator:
         token, start = self.buffer.join(trial, None if epochs is None else epochs * self.plan.chunks_per_epoch)
         self.evicted.pop(trial, None)
         self.stats["trials_joined"] += 1
+        self.stats["starts"][trial] = start  # the piece its first epoch starts on; bounded by the trials that joined
         if process is not None:
             for other in self.watch.add(trial, token, Process(*process)):
                 logger.info("group %s: Tune reused the actor of %s for trial %s; %s released",
@@ -214,6 +216,7 @@ class Coordinator:
         self.stats["trials_joined"] += len(ids)
         self.stats["cohorts"] += 1
         self.stats["ranks"][trial] = world  # bounded by the trials that joined
+        self.stats["starts"][trial] = start
         logger.info("trial %s: ranks %s of %d joined group %s at piece %d", trial, sorted(ranks), world,
                     self.spec.group_key, start)
         await self._notify()

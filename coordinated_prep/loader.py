@@ -230,6 +230,8 @@ def train_loader(
         num_workers: Where this process prepares its own pieces (unshared, or outside Tune): worker
             processes, as a ``DataLoader``'s; 0: on the reading thread. None: 0 in a Tune trial (its
             CPUs are the trial's), else ``min(8, os.cpu_count())``. Shared trials prepare nothing.
+            Forked, or started from a forkserver where Ray's gRPC threads run in this process
+            (:mod:`coordinated_prep.pipeline.workers`).
         pin_memory: Copy each batch's tensors into page-locked memory in a background thread, one
             batch ahead, so that ``.to(device, non_blocking=True)`` overlaps the next step (as a
             ``DataLoader``'s ``pin_memory``); without an accelerator it warns and does nothing.

@@ -70,6 +70,14 @@ class StreamPlan:
         # epoch are asked for one after another, so a few recent orders suffice.
         self._segment_order = functools.lru_cache(maxsize=64)(self._draw_segment_order)
 
+    def __getstate__(self) -> dict:
+        """Without the cache (a bound wrapper pickle refuses): worker processes draw their own."""
+        return {k: v for k, v in self.__dict__.items() if k != "_segment_order"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._segment_order = functools.lru_cache(maxsize=64)(self._draw_segment_order)
+
     @property
     def num_segments(self) -> int:
         """Join points per epoch."""

@@ -690,6 +690,7 @@ def _merge(reports: dict[str, dict[str, Any]], key: str, live: dict[str, Any], s
     for epoch, n in (live.get("decodes_by_epoch") or {}).items():
         by_epoch[epoch] = by_epoch.get(epoch, 0) + n
     acc.setdefault("ranks", {}).update(live.get("ranks") or {})  # data-parallel trial -> its workers
+    acc.setdefault("starts", {}).update(live.get("starts") or {})  # trial -> the piece it joined at (last incarnation)
     nodes = acc.setdefault("nodes", [])
     if live.get("node") and live["node"] not in nodes:
         nodes.append(live["node"])

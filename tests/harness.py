@@ -54,6 +54,15 @@ def train_ids(spec: DataSpec) -> np.ndarray:
     return holdout_split(len(open_source(spec.dataset)), spec.holdout)[0]
 
 
+def stream_samples(starts: Iterable[int], epochs: int, samples_per_epoch: int, chunk_size: int) -> int:
+    """Samples in the pieces that trials starting on pieces ``starts`` and reading ``epochs`` epochs
+    each cover together: what a group that prepares each piece once prepares for them, whenever
+    each of them joined."""
+    per_epoch = math.ceil(samples_per_epoch / chunk_size)
+    pieces = set().union(*(range(s, s + epochs * per_epoch) for s in starts))
+    return sum(min(chunk_size, samples_per_epoch - (g % per_epoch) * chunk_size) for g in pieces)
+
+
 def reference_digests(spec: DataSpec, epochs: np.ndarray, indices: np.ndarray,
                       views: np.ndarray | None = None) -> np.ndarray:
     """What the unshared pipeline makes of each (stream epoch, index[, view]), computed in this process."""

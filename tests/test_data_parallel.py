@@ -31,7 +31,7 @@ from coordinated_prep.sweep.config import load_sweep
 from coordinated_prep.sweep.runner import run_sweep
 from coordinated_prep.watch import _start_time, this_process
 from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled
-from tests.harness import assert_exactly_once, reference_digests, train_ids
+from tests.harness import assert_exactly_once, reference_digests, stream_samples, train_ids
 from tests.recording import Gate, OpenOnResult, record_rank, record_ranks
 
 
@@ -200,9 +200,14 @@ def test_two_trials_of_two_train_workers_share_one_group_and_split_each_epoch(ra
     [report] = reports.values()
     n = len(train_ids(spec))
     assert report["cohorts"] == 2 and report["trials_joined"] == 4, report
-    # Both trials' ranks read the group's one stream: at most one pass per epoch plus the pieces
-    # between the two trials' starts (lookahead), never one pass per trial or per rank.
-    assert 2 * n <= report["samples_prepared"] < 3 * n, report
+    # Both trials' ranks read the group's one stream: each piece from the first trial's start to the
+    # later one's end prepared once, however late the second worker group met (never a pass per trial
+    # or per rank), and just the (stream epoch, sample) pairs some rank read.
+    starts = {t: int(ranks[0][0]["start"]) for t, ranks in records.items()}
+    assert report["starts"] == starts, report
+    seen = {(int(e), int(i)) for ranks in records.values() for r in ranks.values() for row in r
+            for e, i, rep in zip(row["stream_epochs"], row["indices"], row["repeats"]) if rep == 0}
+    assert report["samples_prepared"] == len(seen) == stream_samples(starts.values(), 2, n, spec.chunk_size), report
     assert report["samples_served"] == 2 * 2 * 2 * n, "each rank fetched every piece of its trial's epochs"
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
@@ -255,8 +260,12 @@ def test_the_ready_trainable_trains_with_ddp_on_two_workers_from_yaml(ray_sessio
     assert [t["status"] for t in trials] == ["TERMINATED"] * 2, trials
     assert all(t["ranks"] == 2 and t["epochs"] == 3 and t["private_samples"] == 0 for t in trials), trials
     [group] = summary["groups"].values()
-    n = len(train_ids(resolve_spec({"data": cfg.data})))
-    assert 3 * n <= group["samples_prepared"] < 4 * n, group  # one pass per epoch for both trials' four ranks
+    spec = resolve_spec({"data": cfg.data})
+    n = len(train_ids(spec))
+    starts = group["starts"]
+    assert sorted(starts) == sorted(t["trial"] for t in trials), group
+    # One pass over the stream for both trials' four ranks, from the first start to the later one's end.
+    assert group["samples_prepared"] == stream_samples(starts.values(), 3, n, spec.chunk_size), group
     assert group["samples_served"] == 2 * 2 * 3 * n, group
     assert sorted(kept) == sorted(t["trial"] for t in trials), kept
     assert all(len(c) == 2 for c in kept.values()), f"the newest two of three checkpoints are kept: {kept}"

@@ -155,3 +155,49 @@ def test_pin_memory_without_an_accelerator_warns_and_serves_as_before():
     with pytest.warns(UserWarning, match="pin_memory=True, but no accelerator"):
         loader = train_loader(spec, 32, epochs=1, num_workers=0, pin_memory=True)
     assert sum(len(b) for b in loader) == 96
+
+
+_AFTER_RAY = """
+import sys, warnings
+import numpy as np, ray
+from coordinated_prep import DataSpec, train_loader
+from coordinated_prep.pipeline.workers import WorkerPieces, _grpc_threads
+from tests.harness import batch_digests
+from tests.test_datasets import AUGMENT, images
+
+if __name__ == "__main__":
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.shutdown()
+    assert _grpc_threads() > 0, "ray.shutdown() left no gRPC threads: this check tests nothing"
+    spec = DataSpec(dataset=images(), transform=AUGMENT, coordinated=False, holdout=0.0, chunk_size=16)
+    chosen = []
+    start = WorkerPieces.start
+    WorkerPieces.start = lambda self, g: (chosen.append(self._context), start(self, g))[1]
+    forked = [batch_digests(b) for b in train_loader(spec, 8, epochs=1, num_workers=2)]
+    here = [batch_digests(b) for b in train_loader(spec, 8, epochs=1, num_workers=0)]
+    assert len(forked) == len(here) == 12 and all(np.array_equal(a, b) for a, b in zip(forked, here))
+    print("context", chosen[0].get_start_method())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        lam = DataSpec(dataset=images(), transform=lambda x: x, coordinated=False, holdout=0.0, chunk_size=16)
+        assert sum(len(b) for b in train_loader(lam, 8, epochs=1, num_workers=2)) == 96
+    print("warned", [str(w.message) for w in seen if "does not pickle" in str(w.message)])
+"""
+
+
+def test_workers_start_from_a_forkserver_where_ray_left_grpc_threads(tmp_path):
+    """A process that has run Ray keeps gRPC's threads after ``ray.shutdown()``; workers forked beside
+    them may crash, so they start from a forkserver, and their pieces are those of the reading thread."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    script = tmp_path / "after_ray.py"
+    script.write_text(_AFTER_RAY)
+    done = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": REPO})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "context forkserver" in done.stdout, done.stdout
+    [warned] = [line for line in done.stdout.splitlines() if line.startswith("warned")]
+    assert "the spec does not pickle" in warned and "<lambda>" in warned and "num_workers=0" in warned, warned

@@ -6,6 +6,13 @@ processes, ``prefetch`` pieces ahead of each; a piece's buffer travels as a tens
 it through shared memory instead of a pipe. Errors raised in a worker (a bad sample under
 ``on_error="raise"``) are re-raised here, where the piece is read, by the DataLoader.
 
+How the workers start: forked, as a ``DataLoader``'s on Linux, unless gRPC's threads run in this
+process (a Ray worker, or a driver that has run Ray, even after ``ray.shutdown()``: nine of them
+stay). A forked child inherits no threads but their locks and heap state, and a worker forked
+beside them can die with a corrupted heap; there the workers start from a ``forkserver`` that has
+imported this module once (a second or so more before the first piece), unless the spec does not
+pickle (a lambda in a transform), which keeps ``fork`` and says so in a warning.
+
 Life cycle of a piece here: a worker prepares it (``prepare_chunk``) into a buffer it owns; torch
 copies the buffer into a shared-memory segment for the reading process, which owns the segment
 from then on; the segment is freed when the last batch viewing it is collected.
@@ -14,6 +21,11 @@ from then on; the segment is freed when the last batch viewing it is collected.
 from __future__ import annotations
 
 import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import warnings
 from typing import Any, Iterator
 
 import numpy as np
@@ -21,6 +33,47 @@ import numpy as np
 from coordinated_prep.errors import CoordinatedPrepError
 from coordinated_prep.pipeline.chunk import PreparedChunk, prepare_chunk
 from coordinated_prep.pipeline.structure import Layout
+
+
+logger = logging.getLogger(__name__)
+
+#: Name prefixes of the threads gRPC (under Ray) starts, as ``/proc/self/task/*/comm`` shows them.
+_GRPC_THREADS = ("grpc_", "event_engine", "gcs_client", "default-executo", "resolver-execut", "timer_manager")
+
+
+def _grpc_threads() -> int:
+    """gRPC's threads running in this process now (0 where ``/proc`` cannot tell)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    found = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                found += f.read().startswith(_GRPC_THREADS)
+        except OSError:  # the thread ended meanwhile
+            continue
+    return found
+
+
+def worker_context(dataset: Any) -> Any:
+    """The multiprocessing context for the workers preparing ``dataset`` (None: the DataLoader's,
+    ``fork`` on Linux): see the module's docstring."""
+    threads = _grpc_threads()
+    if not threads:
+        return None
+    try:
+        pickle.dumps(dataset)
+    except Exception as e:  # noqa: BLE001 (any pickling failure: the spec holds something pickle refuses)
+        warnings.warn(f"train_loader: the spec does not pickle ({type(e).__name__}: {e}), so its worker processes are "
+                      f"forked beside {threads} gRPC threads of Ray, which a forked process may crash on; define "
+                      "transforms as functions or classes at module level, or pass num_workers=0", stacklevel=4)
+        return None
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    logger.debug("starting prep workers from a forkserver: %d gRPC threads run in this process", threads)
+    return context
 
 
 class _Pieces:
@@ -80,6 +133,7 @@ class WorkerPieces:
     def __init__(self, spec: Any, plan: Any, layout: Layout, workers: int, prefetch: int = 2) -> None:
         self._dataset = _Pieces(spec, plan, layout)
         self._workers, self._prefetch = workers, prefetch
+        self._context = worker_context(self._dataset)
         self._it: Iterator[Any] | None = None
         self._next = 0
 
@@ -89,7 +143,8 @@ class WorkerPieces:
 
         self.close()
         loader = DataLoader(self._dataset, batch_size=None, sampler=itertools.count(g), num_workers=self._workers,
-                            prefetch_factor=self._prefetch, collate_fn=_identity, persistent_workers=False)
+                            prefetch_factor=self._prefetch, collate_fn=_identity, persistent_workers=False,
+                            multiprocessing_context=self._context)
         self._it, self._next = iter(loader), g
 
     def next(self, g: int) -> PreparedChunk:
