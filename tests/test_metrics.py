@@ -21,7 +21,7 @@ from coordinated_prep.metrics import DEFINITIONS
 from coordinated_prep.plan import holdout_split
 from coordinated_prep.pipeline.sources import open_source
 from tests.conftest import REPO
-from tests.harness import train_ids
+from tests.harness import stream_samples, train_ids
 from tests.recording import record
 
 
@@ -97,19 +97,22 @@ def test_metrics_are_scraped_during_a_sweep_with_plausible_values(ray_session, s
                                         "echo": "batch:2", "evaluate": True, "score": tune.grid_search([1, 2]),
                                         "out": str(tmp_path)},
                                 search_alg=searcher, verbose=0)
+        [report] = searcher.group_reports().values()
     finally:
         searcher.close()
     trials = [t.trial_id for t in analysis.trials]
     assert any(value(s, "samples_prepared", group=group) for s in during), "no metrics seen while the sweep ran"
 
     # Ray reports every second: wait (bounded) until the final counts have reached the endpoint.
-    expected = len(train_ids(spec)) * epochs
+    # A shared group prepares each piece of the trials' epochs once, from wherever each joined.
+    prepared = stream_samples(report["starts"].values(), epochs, len(train_ids(spec)), spec.chunk_size)
+    expected = len(train_ids(spec)) * epochs  # what each trial reads
     node = ray_session.get_runtime_context().get_node_id()[:16]
     final: dict = {}
     pause = threading.Event()  # never set: a bounded wait between scrapes
     for _ in range(60):
         final = scrape()
-        if value(final, "samples_prepared", group=group) == expected and value(
+        if value(final, "samples_prepared", group=group) == prepared and value(
                 final, "cache_misses", node=node) is not None and all(
                 value(final, "samples_served", group=group, trial=t) == expected for t in trials):
             break
@@ -117,7 +120,7 @@ def test_metrics_are_scraped_during_a_sweep_with_plausible_values(ray_session, s
     names = {name for snapshot in [*during, final] for name, _ in snapshot}  # a gauge may leave with its actor
     missing = {f"coordprep_{n}" for n in DEFINITIONS if n != "errors"} - names
     assert not missing, f"metrics missing from the endpoint: {missing}"
-    assert value(final, "samples_prepared", group=group) == expected, "a shared group prepares each sample once per epoch"
+    assert value(final, "samples_prepared", group=group) == prepared, "a shared group prepares each sample once per epoch"
     for t in trials:
         assert value(final, "samples_served", group=group, trial=t) == expected
         # Exported from the trial's own process, every second: the last second before the process
@@ -146,7 +149,7 @@ def test_metrics_are_scraped_during_a_sweep_with_plausible_values(ray_session, s
     assert value(final, "cache_misses", node=node) >= n  # a request sharing an in-flight load is a miss too
     # Hits served from a snapshot are counted by the prep actors, which the group's close may kill
     # within their last report interval: checked as a lower part of the truth, as the trials' are.
-    assert 0 < value(final, "cache_hits", node=node, where="local") <= expected - len(train_ids(spec))
+    assert 0 < value(final, "cache_hits", node=node, where="local") <= prepared - len(train_ids(spec))
     assert 0 < max(value(s, "cache_bytes", node=node) or 0 for s in during) <= 32 * 2**20
     # The held-out split, prepared once for the sweep and served at each of the trials' evaluations
     # (the registry exports them; its last second may be lost when the searcher closes it).

@@ -10,8 +10,9 @@ How the workers start: forked, as a ``DataLoader``'s on Linux, unless gRPC's thr
 process (a Ray worker, or a driver that has run Ray, even after ``ray.shutdown()``: nine of them
 stay). A forked child inherits no threads but their locks and heap state, and a worker forked
 beside them can die with a corrupted heap; there the workers start from a ``forkserver`` that has
-imported this module once (a second or so more before the first piece), unless the spec does not
-pickle (a lambda in a transform), which keeps ``fork`` and says so in a warning.
+imported torch, torchvision and this module once (the process's first such loader waits about 2 s
+more for its first piece, later ones 0.4 s), unless the spec does not pickle (a lambda in a
+transform), which keeps ``fork`` and says so in a warning.
 
 Life cycle of a piece here: a worker prepares it (``prepare_chunk``) into a buffer it owns; torch
 copies the buffer into a shared-memory segment for the reading process, which owns the segment
@@ -71,7 +72,7 @@ def worker_context(dataset: Any) -> Any:
                       "transforms as functions or classes at module level, or pass num_workers=0", stacklevel=4)
         return None
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__])
+    context.set_forkserver_preload(["torch", "torchvision", __name__])  # imported once, in the server
     logger.debug("starting prep workers from a forkserver: %d gRPC threads run in this process", threads)
     return context
 
