@@ -181,7 +181,7 @@ def _valid(path: str) -> int:
 
 
 def _gpu_auto_note() -> str:
-    from coordinated_prep.memory.auto import NO_GPU, gpu_bytes
+    from coordinated_prep.memory_tool.auto import NO_GPU, gpu_bytes
 
     gpu = gpu_bytes()
     if gpu is None:
@@ -193,8 +193,8 @@ def _gpu_auto_note() -> str:
 def _memory(args: argparse.Namespace) -> int:
     import os
 
-    from coordinated_prep.memory.report import format_report, write_report
-    from coordinated_prep.memory.run import run_memory
+    from coordinated_prep.memory_tool.report import format_report, write_report
+    from coordinated_prep.memory_tool.run import run_memory
     from coordinated_prep.sweep.config import load_sweep
 
     cfg = load_sweep(args.experiment)

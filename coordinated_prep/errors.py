@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Mapping
+
 
 class CoordinatedPrepError(Exception):
     """Base class of every error this library raises on purpose."""
@@ -40,3 +43,15 @@ class StructureError(CoordinatedPrepError, ValueError):
 
 class PrepError(CoordinatedPrepError):
     """Shared preparation failed for a trial: re-raised in the trial that asked, naming it."""
+
+
+def known_keys(cls: type, values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``values`` as keyword arguments of dataclass ``cls``; an unknown key is a ConfigError naming it
+    and the allowed ones (what every ``from_mapping`` of a frozen configuration checks first)."""
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{where} must be a mapping, got {type(values).__name__}")
+    allowed = [f.name for f in dataclasses.fields(cls) if f.init]
+    unknown = sorted(set(values) - set(allowed))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed keys are {allowed}")
+    return dict(values)

@@ -9,6 +9,8 @@ One CoordinatedSearcher per driver process runs at a time.
 from __future__ import annotations
 
 NAMESPACE = "coordinated_prep"
+#: The bound of one call from the registry to another actor that answers at once (bookkeeping, no preparation).
+CALL_TIMEOUT_S = 30.0
 
 
 def registry_name(job: str) -> str:

@@ -5,86 +5,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
-from coordinated_prep.errors import ConfigError
+from coordinated_prep.errors import ConfigError, known_keys
+from coordinated_prep.pipeline.backends.spec import BACKENDS, Backend, PipelineSpec  # noqa: F401  (re-exported)
 from coordinated_prep.plan import piece_size
 
-Backend = Literal["torchvision", "dali"]
 OnError = Literal["raise", "skip"]
-BACKENDS: tuple[str, ...] = ("torchvision", "dali")
 BUILTIN_PREFIX = "builtin:"
 MAX_VIEWS = 16
-
-
-def _pair(name: str, value: Any) -> tuple[float, float]:
-    try:
-        low, high = (float(v) for v in value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}={value!r} must be a pair of numbers [low, high]") from None
-    if not (0 < low <= high):
-        raise ConfigError(f"{name}={value!r} must satisfy 0 < low <= high")
-    return low, high
-
-
-@dataclass(frozen=True)
-class PipelineSpec:
-    """Declarative preprocessing: decode, then augment for training or resize for evaluation.
-
-    Training: decode -> random resized crop to ``size`` -> horizontal flip with probability
-    ``hflip``. Evaluation: decode -> resize the shorter side to ``eval_resize`` -> centre crop
-    to ``size``. Outputs are ``uint8`` arrays of shape ``(3, size, size)``; normalisation to
-    float is the trial's job, on its own device.
-
-    Args:
-        size: Side of the square output, in pixels.
-        scale: Range of the crop's area as a fraction of the source image's area.
-        ratio: Range of the crop's aspect ratio (width / height).
-        hflip: Probability of a horizontal flip.
-        eval_resize: Shorter side before the evaluation centre crop; defaults to ``size * 8 / 7``.
-        backend: Library that decodes and transforms.
-    """
-
-    size: int = 112
-    scale: tuple[float, float] = (0.25, 1.0)
-    ratio: tuple[float, float] = (3 / 4, 4 / 3)
-    hflip: float = 0.5
-    eval_resize: int | None = None
-    backend: Backend = "torchvision"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.size, int) or isinstance(self.size, bool) or not 8 <= self.size <= 4096:
-            raise ConfigError(f"data.pipeline.size={self.size!r} must be an integer in [8, 4096]")
-        scale = _pair("data.pipeline.scale", self.scale)
-        if scale[1] > 1.0:
-            raise ConfigError(f"data.pipeline.scale={self.scale!r}: the upper bound must be at most 1.0")
-        object.__setattr__(self, "scale", scale)
-        object.__setattr__(self, "ratio", _pair("data.pipeline.ratio", self.ratio))
-        if not isinstance(self.hflip, (int, float)) or not 0.0 <= self.hflip <= 1.0:
-            raise ConfigError(f"data.pipeline.hflip={self.hflip!r} must be a probability in [0, 1]")
-        object.__setattr__(self, "hflip", float(self.hflip))
-        if self.eval_resize is None:
-            object.__setattr__(self, "eval_resize", math.ceil(self.size * 8 / 7))
-        elif not isinstance(self.eval_resize, int) or self.eval_resize < self.size:
-            raise ConfigError(
-                f"data.pipeline.eval_resize={self.eval_resize!r} must be an integer >= size={self.size} "
-                "(the centre crop must fit inside the resized image)"
-            )
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"data.pipeline.backend={self.backend!r} is not one of {list(BACKENDS)}")
-
-    @property
-    def sample_bytes(self) -> int:
-        """Bytes of one prepared sample (uint8, 3 x size x size)."""
-        return 3 * self.size * self.size
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], where: str = "pipeline") -> "PipelineSpec":
-        """Build from a plain mapping (YAML or a Python dict), rejecting unknown keys by name."""
-        return cls(**known_keys(cls, values, where))
 
 
 @dataclass(frozen=True)
@@ -145,7 +76,7 @@ class DataSpec:
             augments it ``views`` times, each view's crop drawn
             from (seed, epoch, sample, view); view 0 is the draw of ``views=1``. A trial's epoch
             then holds every sample ``views`` times, and the staged bytes grow with it. Part of the
-            group key, unlike a trial's ``echo`` (:mod:`coordinated_prep.echo`).
+            group key, unlike a trial's ``echo`` (:mod:`coordinated_prep.trial.echo`).
         lease_s: Longest time production waits for the trials holding the oldest staged piece
             when the byte budget is full and another trial waits for a piece; after it those trials
             (stragglers) are detached and prepare their own pieces from then on, byte-identical and
@@ -321,6 +252,11 @@ class DataSpec:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], where: str = "data") -> "DataSpec":
         """Build from a plain mapping (YAML or a Python dict), rejecting unknown keys by name."""
+        moved = sorted(set(values) & set(_MOVED)) if isinstance(values, Mapping) else []
+        if moved:
+            raise ConfigError(f"{where}.{moved[0]} belongs to the node's prep pool now, shared by every data group: "
+                              f"set pool.{_MOVED[moved[0]]} (YAML) or CoordinatedSearcher(pool=PoolSpec("
+                              f"{_MOVED[moved[0]]}=...))")
         known = known_keys(cls, values, where)
         if isinstance(known.get("pipeline"), Mapping):
             known["pipeline"] = PipelineSpec.from_mapping(known["pipeline"], f"{where}.pipeline")
@@ -351,19 +287,3 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 
 #: Keys that moved from the data group to the node's prep pool, and where they went.
 _MOVED = {"prep_actors": "actors", "staging_fraction": "staging_fraction"}
-
-
-def known_keys(cls: type, values: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """``values`` as keyword arguments of dataclass ``cls``; an unknown or moved key is a ConfigError naming it."""
-    if not isinstance(values, Mapping):
-        raise ConfigError(f"{where} must be a mapping, got {type(values).__name__}")
-    moved = sorted(set(values) & set(_MOVED)) if cls is DataSpec else []
-    if moved:
-        raise ConfigError(f"{where}.{moved[0]} belongs to the node's prep pool now, shared by every data group: "
-                          f"set pool.{_MOVED[moved[0]]} (YAML) or CoordinatedSearcher(pool=PoolSpec("
-                          f"{_MOVED[moved[0]]}=...))")
-    allowed = [f.name for f in dataclasses.fields(cls) if f.init]
-    unknown = sorted(set(values) - set(allowed))
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed keys are {allowed}")
-    return dict(values)

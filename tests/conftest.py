@@ -86,6 +86,18 @@ def live_coordprep_actors() -> list[str]:
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("coordprep")]
 
 
+#: Fixtures that start Ray (a module's instance, or a cluster of several nodes).
+_RAY_FIXTURES = {"ray_session", "cluster", "small_store_ray"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test that starts Ray or runs a sweep as ``sweep``: the quick tier
+    (``pytest -m "not sweep"``) is the pure logic, the loaders and the single-process pipelines."""
+    for item in items:
+        if _RAY_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("soak"):
+            item.add_marker(pytest.mark.sweep)
+
+
 _EXIT_STATUS: list[int] = []
 
 

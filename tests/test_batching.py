@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinated_prep.pipeline.batching import BatchStats, batched
+from coordinated_prep.trial.batching import BatchStats, batched
 from coordinated_prep.pipeline.chunk import PreparedChunk, image_piece
 from coordinated_prep.plan import piece_size
 from tests.harness import assert_exactly_once

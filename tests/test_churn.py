@@ -15,7 +15,7 @@ from ray import tune
 from ray.tune.schedulers import PopulationBasedTraining
 
 from coordinated_prep import CoordinatedSearcher, DataSpec, PoolSpec, train_loader
-from coordinated_prep.schedulers import HyperBandScheduler  # Ray's hangs at a bracket's end (see there)
+from coordinated_prep.tune.schedulers import HyperBandScheduler  # Ray's hangs at a bracket's end (see there)
 from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled
 from tests.harness import check_trial_records, sample_digests, stream_samples
 from tests.recording import Gate, Interrupt, load_records, record

@@ -7,11 +7,11 @@ import subprocess
 import sys
 
 from coordinated_prep import DataSpec
-from coordinated_prep.watch import Process, _start_time
+from coordinated_prep.stream.watch import Process, _start_time
 
 
 def test_a_detached_consumer_is_forgotten_when_its_process_ends_or_its_trial_is_over(ray_session, small_dataset):
-    from coordinated_prep.coordinator import Coordinator
+    from coordinated_prep.stream.coordinator import Coordinator
 
     spec = DataSpec(dataset=small_dataset, pipeline={"size": 16}, chunk_size=8)
 
@@ -43,3 +43,65 @@ def test_a_detached_consumer_is_forgotten_when_its_process_ends_or_its_trial_is_
     assert before == ["a", "b#2"]
     assert after_exit == ["b#2"], "a detached trial's entry goes when its process ends"
     assert after_done == [], "a detached trial's entry goes when Tune reports the trial over"
+
+
+class _LandingActor:
+    """A prep actor that prepares nothing: each piece's task lands when the test lands it."""
+
+    def __init__(self) -> None:
+        self.prepare = self  # ``actor.prepare.options(num_returns=2).remote(...)``
+        self.pending: list[tuple[asyncio.Future, int]] = []  # (its timing's future, its samples)
+
+    def options(self, **_: object) -> "_LandingActor":
+        return self
+
+    def remote(self, key, box, epoch, indices, layout) -> tuple[asyncio.Future, str]:
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append((future, len(indices)))
+        return future, "piece"
+
+
+def test_pieces_of_a_length_sorted_dataset_are_charged_their_real_bytes(ray_session, small_dataset):
+    """The probe saw the dataset's shortest samples (a length-sorted speech set) and every piece
+    lands at 15 times its estimate: the group is charged what landed and stays within its budget or
+    one piece (before: four pieces reserved at the estimate took 15 times the budget while
+    ``staged_bytes`` said it was within it)."""
+    from types import SimpleNamespace
+
+    from coordinated_prep.stream.coordinator import Coordinator
+    from coordinated_prep.pipeline.chunk import ChunkTiming
+    from coordinated_prep.pipeline.probe import Probe
+    from coordinated_prep.pipeline.structure import LeafSpec, Layout
+
+    spec = DataSpec(dataset=small_dataset, pipeline={"size": 16}, chunk_size=8)
+    layout = Layout(("tuple", (("leaf",), ("leaf",))),
+                    (LeafSpec("ragged", "float32", None), LeafSpec("dense", "int64", ())))  # audio clips, labels
+    probed, real = 100, 1500  # bytes per sample: what the probe saw, what the pieces hold
+    budget = 4 * 8 * probed
+
+    async def scenario() -> list[tuple[int, int]]:
+        actors = [_LandingActor(), _LandingActor()]
+        coordinator = Coordinator.__ray_metadata__.modified_class(spec, "test-sizes", actors, budget, None,
+                                                                    (200, Probe(layout, probed)))
+        coordinator.producer = asyncio.get_running_loop().create_future()  # the test drives production
+        coordinator.buffer.join("a")
+        steps = []
+        for _ in range(3):
+            while coordinator._producer_state() == "go":
+                coordinator._reserve_and_submit()
+            for actor in actors:
+                for future, samples in actor.pending:
+                    future.set_result(SimpleNamespace(**ChunkTiming(0.0, 0.0)._asdict() | {"nbytes": samples * real}))
+                actor.pending.clear()
+            await asyncio.gather(*list(coordinator.settling))
+            buffer = coordinator.buffer
+            steps.append((buffer.staged_bytes, sum(coordinator.plan.chunk_len(g) * real for g in buffer.slots)))
+            oldest = min(buffer.slots)
+            buffer.fetched("a", oldest, coordinator.plan.chunk_len(oldest))
+        coordinator.producer.cancel()
+        await coordinator.close(1.0)
+        return steps
+
+    for staged, held in asyncio.run(scenario()):
+        assert staged == held, f"staged_bytes says {staged}, the landed pieces hold {held}"
+        assert held <= max(budget, 8 * real), f"{held} bytes staged for a budget of {budget}"

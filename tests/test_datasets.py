@@ -9,7 +9,7 @@ import pytest
 import torch
 from torchvision.transforms import v2
 
-from coordinated_prep import ConfigError, DataSpec, SampleError, train_loader
+from coordinated_prep import ConfigError, DataSpec, SampleError, eval_loader, train_loader
 from coordinated_prep.errors import StructureError
 from coordinated_prep.pipeline import ArrayDataset, Factory
 from tests.harness import assert_exactly_once, batch_digests
@@ -75,13 +75,16 @@ def _held_out(spec: DataSpec) -> np.ndarray:
     return holdout_split(96, spec.holdout)[1]
 
 
-def test_the_callers_random_state_is_left_as_it_was():
+@pytest.mark.parametrize("workers", [0, 1])
+def test_the_callers_random_state_is_left_as_it_was(workers):
+    """Nor does starting worker processes draw from it (a DataLoader seeds its workers from torch's generator)."""
     torch.manual_seed(7)
     np.random.seed(7)
     want_t, want_n = torch.rand(3), np.random.rand(3)
     torch.manual_seed(7)
     np.random.seed(7)
-    list(train_loader(DataSpec(dataset=images(), transform=AUGMENT, coordinated=False), 32, epochs=1, num_workers=0))
+    list(train_loader(DataSpec(dataset=images(), transform=AUGMENT, coordinated=False), 32, epochs=1,
+                      num_workers=workers))
     assert torch.equal(torch.rand(3), want_t) and np.array_equal(np.random.rand(3), want_n)
 
 
@@ -161,7 +164,7 @@ _AFTER_RAY = """
 import sys, warnings
 import numpy as np, ray
 from coordinated_prep import DataSpec, train_loader
-from coordinated_prep.pipeline.workers import WorkerPieces, _grpc_threads
+from coordinated_prep.trial.workers import WorkerPieces, _grpc_threads
 from tests.harness import batch_digests
 from tests.test_datasets import AUGMENT, images
 
@@ -201,3 +204,36 @@ def test_workers_start_from_a_forkserver_where_ray_left_grpc_threads(tmp_path):
     assert "context forkserver" in done.stdout, done.stdout
     [warned] = [line for line in done.stdout.splitlines() if line.startswith("warned")]
     assert "the spec does not pickle" in warned and "<lambda>" in warned and "num_workers=0" in warned, warned
+
+
+class PerClipNorm:
+    """Normalise a clip by its own mean and standard deviation: a reduction torch splits by its thread count."""
+
+    def __call__(self, clip):
+        clip = torch.as_tensor(clip)
+        return (clip - clip.mean()) / clip.std()
+
+
+def clips(n: int = 32, samples: int = 160_000) -> ArrayDataset:
+    """``n`` clips of 10 s at 16 kHz (float32 noise), with labels."""
+    rng = np.random.default_rng(3)
+    return ArrayDataset((rng.standard_normal((n, samples)) * 3 + 1).astype(np.float32), np.arange(n) % 4)
+
+
+def test_a_large_reduction_gives_a_worker_s_bytes_whatever_the_trainer_s_torch_threads():
+    """Workers and prep actors prepare with one torch thread; so must this process, and give its threads back."""
+    spec = DataSpec(dataset=clips(), transform=PerClipNorm(), eval_transform=PerClipNorm(), holdout=0.25,
+                    chunk_size=8, coordinated=False)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        here = [batch_digests(b) for b in train_loader(spec, 8, epochs=1, num_workers=0)]
+        held = [batch_digests(b) for b in eval_loader(spec, 8)]
+        assert torch.get_num_threads() == 4, "the trainer's thread count is given back after preparing"
+        torch.set_num_threads(1)  # as a prep actor evaluates
+        held_alone = [batch_digests(b) for b in eval_loader(spec, 8)]
+    finally:
+        torch.set_num_threads(threads)
+    workers = [batch_digests(b) for b in train_loader(spec, 8, epochs=1, num_workers=1)]
+    assert len(here) == len(workers) == 3 and all(np.array_equal(a, b) for a, b in zip(here, workers))
+    assert len(held) == 1 and np.array_equal(held[0], held_alone[0])

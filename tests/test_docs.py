@@ -138,7 +138,7 @@ def _check_pytest(command: str) -> None:
         assert marker in open(os.path.join(REPO, "pyproject.toml")).read()
         assert all(f"mark.{marker}" in open(os.path.join(REPO, f)).read() for f in files)
     ci = open(os.path.join(REPO, ".ci", "run")).read()
-    if not files:  # the test command of the README is the one CI runs
+    if not files and "-m" not in args:  # the test command of the README is the one CI runs
         assert command.replace("python", ".venv/bin/python") in ci
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinated_prep.pipeline.batching import Batcher
+from coordinated_prep.trial.batching import Batcher
 from coordinated_prep.pipeline.chunk import PreparedChunk, image_piece
-from coordinated_prep.echo import EchoCounts, EchoSpec, echoed
+from coordinated_prep.trial.echo import EchoCounts, EchoSpec, echoed
 from coordinated_prep.errors import ConfigError
 from tests.harness import assert_fresh_exactly_once
 
@@ -124,7 +124,7 @@ def test_a_batch_built_by_hand_is_all_fresh_and_a_piece_with_views_pickles_whole
 
     import torch
 
-    from coordinated_prep.pipeline.batching import Batch
+    from coordinated_prep.trial.batching import Batch
 
     from coordinated_prep.pipeline.chunk import image_layout
 

@@ -10,7 +10,7 @@ import ray
 from ray import tune
 
 from coordinated_prep import CoordinatedSearcher, DataSpec, train_loader
-from coordinated_prep.echo import EchoSpec
+from coordinated_prep.trial.echo import EchoSpec
 from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled
 from tests.harness import assert_fresh_exactly_once, reference_digests, sample_digests, train_ids
 from tests.recording import Gate

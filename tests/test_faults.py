@@ -163,7 +163,7 @@ def test_evaluation_with_a_corrupt_held_out_file_under_skip(ray_session, tmp_pat
         assert t.last_result["eval_samples"] == len(held) - 1, t  # evaluated without that one sample
     assert report["samples_skipped"] == 1 and report["skipped_files"] == [broken], report
     # Unshared (the same function in the trial's own process): the same sample left out.
-    from coordinated_prep.loader import eval_loader
+    from coordinated_prep.trial.loader import eval_loader
     assert sum(len(b) for b in eval_loader(dataclasses.replace(spec, coordinated=False), 8)) == len(held) - 1
 
 
@@ -171,8 +171,8 @@ def test_a_loader_dropped_without_close_leaves_its_group(ray_session, small_data
     import gc
 
     from coordinated_prep import CoordinatedSearcher
-    from coordinated_prep.loader import TrainLoader
-    from coordinated_prep.streams import SharedStream
+    from coordinated_prep.trial.loader import TrainLoader
+    from coordinated_prep.trial.streams import SharedStream
     from tests.conftest import settled
 
     spec = DataSpec(dataset=small_dataset, pipeline={"size": 16}, chunk_size=8)

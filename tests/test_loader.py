@@ -1,11 +1,16 @@
 """Trial-side batching (unshared mode, no Ray): batch sizes, exact epochs, determinism."""
 
+import random
+import threading
+
 import numpy as np
 import pytest
+import torch
 
-from coordinated_prep import ConfigError, DataSpec, eval_loader, train_loader
+from coordinated_prep import ConfigError, DataSpec, SampleError, eval_loader, train_loader
+from coordinated_prep.pipeline import ArrayDataset
 from coordinated_prep.plan import holdout_split
-from tests.harness import assert_exactly_once
+from tests.harness import assert_exactly_once, batch_digests
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +65,96 @@ def test_an_epoch_cut_short_does_not_shift_the_next(spec):
     third = np.concatenate([b.indices.numpy() for b in loader])
     assert np.array_equal(first, expected[0])
     assert np.array_equal(third, expected[2]), "epoch 2 must be the stream's epoch 2, whatever epoch 1 did"
+
+
+# --- pin_memory: preparation stays on the loop's thread (coordinated_prep.pipeline.seeding) ---------------------
+
+_PIECE = 8  # samples per piece, and per batch: each batch is one piece
+
+
+class _Gate:
+    """Where the loop's thread meets a preparation that runs on another thread (a pinning thread that prepares)."""
+
+    def reset(self, owner: int) -> None:
+        self.owner, self.elsewhere = owner, 0
+        self.entered, self.drew = threading.Event(), threading.Event()
+
+
+_GATE = _Gate()
+
+
+class _Noisy:
+    """Draws from all three global generators. Run off the loop's thread (``_GATE.owner``), the first sample of the
+    second piece waits inside the transform until the loop has drawn: the interleaving a training step can meet."""
+
+    def __call__(self, x):
+        if threading.get_ident() != _GATE.owner:
+            _GATE.elsewhere += 1
+            if _GATE.elsewhere == _PIECE + 1:
+                _GATE.entered.set()
+                _GATE.drew.wait(30)
+        return torch.as_tensor(x) + torch.rand(x.shape) + float(np.random.rand()) + random.random()
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _draws() -> tuple:
+    """What a training step draws: mixup's permutation, a NumPy and a Python draw."""
+    return torch.randperm(16).tolist(), np.random.rand(2).tolist(), random.random()
+
+
+@pytest.fixture
+def fake_pinning(monkeypatch):
+    """Pinning without an accelerator: the same background thread, with ``pin_memory`` a copy."""
+    from coordinated_prep.trial import loader as loader_module
+
+    monkeypatch.setattr(loader_module, "_accelerator", lambda who: True)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self.clone())
+
+
+def test_pinned_bytes_equal_unpinned_while_the_loop_draws_and_its_draws_are_its_own(fake_pinning):
+    data = ArrayDataset(np.arange(48 * 4, dtype=np.float32).reshape(48, 4), np.arange(48))
+    spec = DataSpec(dataset=data, transform=_Noisy(), holdout=0.0, chunk_size=_PIECE, coordinated=False)
+    _GATE.reset(threading.get_ident())
+    want = [batch_digests(b) for b in train_loader(spec, _PIECE, epochs=1, num_workers=0)]
+    _seed_all(11)
+    expected = [_draws() for _ in want]  # the loop's draws with no loader at all
+    _seed_all(11)
+    got, drawn = [], []
+    for batch in train_loader(spec, _PIECE, epochs=1, num_workers=0, pin_memory=True):
+        got.append(batch_digests(batch))
+        if _GATE.elsewhere and not _GATE.drew.is_set():  # prepared on another thread: draw while it is inside
+            assert _GATE.entered.wait(30), "the other thread never reached the second piece"
+            drawn.append(_draws())
+            _GATE.drew.set()
+        else:
+            drawn.append(_draws())
+    assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want)), \
+        "pinned bytes must be the unpinned bytes, whatever the loop draws meanwhile"
+    assert drawn == expected, "the loop's own draws were reseeded or rewound by a preparation"
+    assert _GATE.elsewhere == 0, "a piece was prepared off the thread that iterates the loader"
+
+
+def test_pinning_passes_a_preparation_error_to_the_loop_and_an_epoch_cut_short_ends_cleanly(fake_pinning):
+    class Flaky:
+        def __len__(self) -> int:
+            return 32
+
+        def __getitem__(self, i: int):
+            if i == 13:
+                raise OSError("truncated record")
+            return np.full(4, i, np.float32), i
+
+    with pytest.raises(SampleError, match=r"sample 13"):
+        list(train_loader(DataSpec(dataset=Flaky(), coordinated=False, holdout=0.0, chunk_size=8), 8, epochs=1,
+                          num_workers=0, pin_memory=True))
+    data = ArrayDataset(np.arange(48 * 4, dtype=np.float32).reshape(48, 4), np.arange(48))
+    loader = train_loader(DataSpec(dataset=data, holdout=0.0, chunk_size=8, coordinated=False), 8, epochs=2,
+                          num_workers=0, pin_memory=True)
+    for _ in loader:
+        break  # the pinning thread may be waiting for the loop to prepare a piece: it must not hang
+    assert sorted(np.concatenate([b.indices.numpy() for b in loader]).tolist()) == list(range(48))

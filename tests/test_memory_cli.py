@@ -7,7 +7,7 @@ import pytest
 
 from coordinated_prep import ConfigError
 from coordinated_prep.cli import main
-from coordinated_prep.memory.configs import memory_configs, values
+from coordinated_prep.memory_tool.configs import memory_configs, values
 from coordinated_prep.memory.spec import MemoryMode
 from coordinated_prep.sweep.config import Dimension, load_sweep
 
@@ -63,7 +63,7 @@ def test_the_configurations_to_measure():
 
 
 def test_the_example_experiment_measures_five_modes():
-    from coordinated_prep.memory.run import sweep_configs
+    from coordinated_prep.memory_tool.run import sweep_configs
 
     cfg = load_sweep("experiments/memory.yaml")
     assert [c.memory.label for c in sweep_configs(cfg)] == ["none", "checkpoint", "budget=0.5", "budget=0.4",

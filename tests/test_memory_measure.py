@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from coordinated_prep.memory.measure import SavedBytes, measure_step, tensor_bytes
-from coordinated_prep.memory.report import format_report, relative
+from coordinated_prep.memory_tool.report import format_report, relative
 
 
 def _mlp():

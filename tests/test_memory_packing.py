@@ -6,7 +6,7 @@ import warnings
 import pytest
 
 from coordinated_prep import ConfigError
-from coordinated_prep.memory.auto import NO_GPU, plan_gpu
+from coordinated_prep.memory_tool.auto import NO_GPU, plan_gpu
 from coordinated_prep.memory.packing import GpuAuto, cap_gpu_memory, gpu_fraction, need_bytes, pack
 from coordinated_prep.sweep.config import load_sweep
 
@@ -105,7 +105,7 @@ def test_the_dry_run_says_what_gpu_auto_will_do(tmp_path, capsys):
 
 def test_the_runner_gives_trials_the_packed_share_and_the_cap(tmp_path, monkeypatch):
     """With a GPU (faked: its size and the measured peaks), Tune's request and each trial's cap follow the packing."""
-    from coordinated_prep.memory import auto
+    from coordinated_prep.memory_tool import auto
     from coordinated_prep.sweep.runner import trial_resources
 
     monkeypatch.setattr(auto, "gpu_bytes", lambda: 40 * GiB)

@@ -19,7 +19,7 @@ import torch
 from coordinated_prep import ConfigError, DataSpec, DatasetError, SampleError
 from coordinated_prep.cli import _ProgressBar, main
 from coordinated_prep.convert import convert_imagefolder
-from coordinated_prep.loader import eval_loader, train_loader
+from coordinated_prep.trial.loader import eval_loader, train_loader
 from coordinated_prep.pipeline.sources import ImageFolderSource, ParquetSource, open_source, shapes
 from coordinated_prep.pipeline.sources.parquet import MANIFEST
 

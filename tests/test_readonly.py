@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from coordinated_prep.pipeline.batching import batched
+from coordinated_prep.trial.batching import batched
 from coordinated_prep.pipeline.chunk import PreparedChunk, image_layout, image_piece
 from coordinated_prep import readonly
 from coordinated_prep.readonly import PAGE, padded_base, padded_empty, protect, protected_ranges

@@ -7,17 +7,24 @@ gate: the order of events is fixed by the test, not by timing.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 from typing import Any, Callable
 
 import pytest
 import ray
 
-from coordinated_prep import registry as registry_module
-from coordinated_prep.errors import DatasetError
-from coordinated_prep.registry import GroupRegistry
+from coordinated_prep.errors import DatasetError, PrepError
 from coordinated_prep.spec import DataSpec
+from coordinated_prep.stream import indexes as indexes_module
+from coordinated_prep.stream import registry as registry_module
+from coordinated_prep.stream import runs as runs_module
+from coordinated_prep.stream import watch as watch_module
+from coordinated_prep.stream.registry import GroupRegistry
+from coordinated_prep.stream.watch import Process, this_process
 
 NODE = "ab" * 28  # a node id is 28 bytes in hex
+NODE2 = "cd" * 28
 
 
 class _Method:
@@ -47,7 +54,17 @@ class _Coordinator:
         self.set_budget = _Method(self._async(lambda share: None))
         self.report = _Method(self._async(lambda: {}))
         self.close = _Method(self._async(self._close))
+        self.join_point = _Method(self._async(lambda: 0))
+        self.join_ranks = _Method(self._async(self._join_ranks))
+        self.leave = _Method(self._async(lambda consumer, token=None: self.left.append(consumer)))
+        # asked on the processes' node, as the real one is: here every process is on this machine
+        self.ended = _Method(self._async(lambda processes: [Process(*p).ended() for p in processes]))
+        self.joined: list[str] = []
         self.made.append(self)
+
+    def _join_ranks(self, consumer: str, ranks: dict[int, Any], world: int, start: int, epochs: Any) -> Any:
+        self.joined += [f"{consumer}@{rank}" for rank in ranks]
+        return {"tokens": {rank: rank for rank in ranks}, "info": {"start": start, "name": "fake"}}
 
     def die(self) -> None:
         self.alive = False
@@ -93,6 +110,14 @@ class _Pool:
     node, actors, budget_bytes, reserved_cpus = NODE, [_PrepActor()], 10**9, 1.0
 
 
+class _Here:
+    """``ray.get_runtime_context()`` of the registry: it runs on ``NODE`` (no Ray started)."""
+
+    @staticmethod
+    def get_node_id() -> str:
+        return NODE
+
+
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch) -> GroupRegistry:
     _Coordinator.made = []
@@ -104,21 +129,22 @@ def registry(monkeypatch: pytest.MonkeyPatch) -> GroupRegistry:
         return found
 
     monkeypatch.setattr(registry_module.Coordinator, "options", lambda **kw: _Method(make), raising=False)
-    monkeypatch.setattr(registry_module, "check_same_index", lambda *args: None)
+    monkeypatch.setattr(indexes_module, "check_same_index", lambda *args: None)
     monkeypatch.setattr(ray, "kill", lambda actor: setattr(actor, "killed", True))
 
     async def no_index(self: GroupRegistry, dataset: str, node: str) -> tuple[None, int]:
         return None, 0  # the node's index of the dataset: not what these tests are about
 
     monkeypatch.setattr(GroupRegistry, "_coordinator_index", no_index)
+    monkeypatch.setattr(ray, "get_runtime_context", _Here)
     found = GroupRegistry("test")
     found._pools[NODE] = _Pool()
     found.next_index_gate = starting  # type: ignore[attr-defined]
     return found
 
 
-def _spec() -> DataSpec:
-    return DataSpec(dataset="builtin:shapes", seed=0)
+def _spec(seed: int = 0) -> DataSpec:
+    return DataSpec(dataset="builtin:shapes", seed=seed)
 
 
 async def _until_blocked(task: asyncio.Task, lock: asyncio.Lock) -> None:
@@ -205,10 +231,11 @@ def test_a_failed_start_takes_back_only_the_membership_it_added(registry):
 
 
 def test_a_group_start_allows_time_per_file_and_names_the_dataset_and_the_fix(monkeypatch):
-    from coordinated_prep.registry import start_bound_s
+    from coordinated_prep.naming import CALL_TIMEOUT_S
+    from coordinated_prep.stream.indexes import start_bound_s
 
     assert start_bound_s(1_281_167) > 1_281_167 * 0.002, "an ImageNet-sized tree gets more than 2 ms per file"
-    assert start_bound_s(0) == registry_module._CALL_TIMEOUT_S
+    assert start_bound_s(0) == CALL_TIMEOUT_S
 
     class Silent:  # a coordinator whose fingerprint never comes
         class fingerprint:
@@ -216,9 +243,252 @@ def test_a_group_start_allows_time_per_file_and_names_the_dataset_and_the_fix(mo
             def remote():
                 return asyncio.get_running_loop().create_future()
 
-    monkeypatch.setattr(registry_module, "_CALL_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(indexes_module, "CALL_TIMEOUT_S", 0.01)
     found = GroupRegistry("s")
     with pytest.raises(DatasetError) as error:
         asyncio.run(found._check_index("/nfs/imagenet/train", "node-7", Silent(), 0))
     message = str(error.value)
     assert "/nfs/imagenet/train" in message and "node-7" in message and "coordprep convert" in message
+
+
+# -- memberships that must not outlive their owner --------------------------------------------
+async def _yields(n: int = 100) -> None:
+    for _ in range(n):  # yields of the loop, not time: each lets every ready task take one step
+        await asyncio.sleep(0)
+
+
+class _Worker:
+    """A process of this machine standing for a worker of a run: it runs until :meth:`end`."""
+
+    def __init__(self) -> None:
+        self._child = subprocess.Popen(["cat"], stdin=subprocess.PIPE)
+        self.process = Process(self._child.pid, watch_module._start_time(self._child.pid) or "", None)
+
+    def end(self) -> Process:
+        self._child.stdin.close()  # cat exits at the end of its input
+        self._child.wait()
+        return self.process
+
+
+def _ended_process() -> Process:
+    """A process of this machine that has ended."""
+    return _Worker().end()
+
+
+def test_a_placement_that_ends_after_its_trial_completed_leaves_nothing_behind(registry):
+    async def scenario() -> None:
+        registry._pools[NODE2] = _Pool()
+        gate = asyncio.Event()
+        registry.next_index_gate.append(gate)  # the coordinator on NODE starts slowly
+        ranks = [asyncio.ensure_future(registry.meet(_spec(), "T", "T", rank, 2, node, 1, this_process(None), 30.0))
+                 for rank, node in ((0, NODE), (1, NODE2))]
+        await _yields()
+        assert len(_Coordinator.made) == 1, "the placement waits for the first node's coordinator"
+        done = asyncio.ensure_future(registry.trial_done("T"))  # Tune: T failed (its ranks timed out)
+        await _yields()
+        gate.set()  # the first node's start ends; the placement goes on to the second node
+        await done
+        answers = await asyncio.gather(*ranks, return_exceptions=True)
+        assert not registry._groups and not registry._members and not registry._trial_groups, \
+            "a membership was added for a trial reported done"
+        assert all(c.killed for c in _Coordinator.made), "a coordinator placed for a done trial survives"
+        assert all(isinstance(a, PrepError) and "T" in str(a) for a in answers), answers
+        assert not registry._rendezvous
+        with pytest.raises(PrepError, match="T"):  # a late loader of the done trial joins nothing
+            await registry.group_for(_spec(), "T", NODE)
+        assert not registry._members and all(c.killed for c in _Coordinator.made)
+
+    asyncio.run(scenario())
+
+
+def test_a_restored_sweep_reruns_a_trial_that_completed_with_an_error(registry):
+    async def scenario() -> None:
+        await registry.group_for(_spec(), "E", NODE)
+        await registry.trial_done("E")  # Tune: E errored
+        with pytest.raises(PrepError, match="E"):
+            await registry.group_for(_spec(), "E", NODE)
+        await registry.restored()  # Tuner.restore(resume_errored=True) in the same driver
+        await registry.group_for(_spec(), "E", NODE)
+        assert registry._members and "E" in registry._trial_groups
+
+    asyncio.run(scenario())
+
+
+def _piece_bytes(registry: GroupRegistry) -> int:
+    """Bytes of one piece of ``_spec()`` as the fake prep actor probes it."""
+    from coordinated_prep.plan import piece_size
+
+    samples, probe = asyncio.run(_PrepActor._probe(_spec()))
+    return piece_size(None, samples) * probe.sample_bytes
+
+
+def test_runs_without_tune_leave_their_groups_when_their_processes_end(registry):
+    registry._pools[NODE].budget_bytes = 2 * _piece_bytes(registry)  # room for two groups' pieces, not three
+
+    async def scenario() -> None:
+        for seed in range(5):  # one after another, each run a group of its own (another seed)
+            run, workers = f"train:sweep:run{seed}", [_Worker(), _Worker()]
+            ranks = [asyncio.ensure_future(registry.meet(_spec(seed), run, run, rank, 2, NODE, 1, worker.process,
+                                                         30.0)) for rank, worker in enumerate(workers)]
+            placed = [await rank for rank in ranks]
+            assert placed[0]["coordinator"] is _Coordinator.made[-1]
+            for worker in workers:
+                worker.end()  # the run ends: no Tune reports it
+        assert len(registry._groups) <= 2 and all(c.killed for c in _Coordinator.made[:-2]), \
+            "the ended runs' coordinators still hold the node's budget"
+        live = this_process(None)  # a run with one worker, whose process runs: it stays
+        await registry.group_for(_spec(9), "train:sweep:alive", NODE, live)
+        await registry._reap()
+        assert "train:sweep:alive" in registry._trial_groups and not _Coordinator.made[-1].killed
+        assert set(registry._trial_groups) <= {"train:sweep:alive", "train:sweep:run4"}
+
+    asyncio.run(scenario())
+
+
+def test_a_run_leaves_on_the_registrys_timer_and_a_tune_trial_does_not(registry, monkeypatch):
+    monkeypatch.setattr(runs_module, "_REAP_S", 0.01)
+
+    async def scenario() -> None:
+        tune_trial = await registry.group_for(_spec(1), "abc_00001", NODE, _ended_process())  # Tune's: paused
+        run = await registry.group_for(_spec(2), "train:one:worker", NODE, _ended_process())
+        await asyncio.wait_for(registry._reaper, 5.0)  # the timer ends when no run is left to watch
+        assert run.killed and not registry._runs, "the run's group outlived its process"
+        assert not tune_trial.killed and registry._members == {next(iter(registry._groups)): {"abc_00001"}}, \
+            "a paused Tune trial keeps its group until Tune reports it complete"
+
+    asyncio.run(scenario())
+
+
+def test_without_start_times_a_live_process_is_not_ended_and_ranks_meet(registry, monkeypatch):
+    monkeypatch.setattr(watch_module, "_start_time", lambda pid: None)  # no /proc (macOS)
+    here = this_process(None)
+    assert here.started == "" and not here.ended(), "a live process called ended"
+    assert _ended_process().ended(), "a process that is gone still looks alive"
+
+    async def scenario() -> None:
+        ranks = [asyncio.ensure_future(registry.meet(_spec(), "M", "M", rank, 2, NODE, 1, this_process(None), 30.0))
+                 for rank in (0, 1)]
+        await _yields()
+        meeting = registry._rendezvous[(_spec().group_key, "M")]
+        assert sorted(meeting.arrivals) == [0, 1] and meeting.placing is not None, \
+            "rank 0's arrival was taken back as ended: the ranks never meet"
+        placed = [await rank for rank in ranks]
+        assert {p["info"]["consumer"] for p in placed} == {"M@0", "M@1"}
+
+    asyncio.run(scenario())
+
+
+def test_without_start_times_a_coordinator_still_releases_a_consumer_whose_process_ended(monkeypatch):
+    from coordinated_prep.stream.watch import ProcessWatch
+
+    monkeypatch.setattr(watch_module, "_start_time", lambda pid: None)  # no /proc (macOS)
+    released: list[str] = []
+
+    async def on_end(consumer: str, token: int) -> None:
+        released.append(consumer)
+
+    async def scenario() -> None:
+        watch = ProcessWatch(lambda consumer, token: not released, on_end)
+        worker = _Worker()
+        watch.add("t", 1, worker.process._replace(started=""))
+        assert "t" in watch._tasks, "no watch where start times are unknown: the consumer waits for the lease"
+        worker.end()
+        await asyncio.wait_for(watch._tasks["t"], 10.0)
+        assert released == ["t"]
+
+    asyncio.run(scenario())
+
+
+def test_a_run_whose_coordinator_died_leaves_and_its_group_gives_back_its_share(registry):
+    async def scenario() -> None:
+        dead = await registry.group_for(_spec(3), "train:r:dead", NODE, this_process(None))  # it still runs
+        other = await registry.group_for(_spec(4), "abc_00002", NODE)
+
+        async def gone(processes: Any) -> None:
+            raise ray.exceptions.RayActorError()
+
+        dead.ended = _Method(gone)  # the coordinator died
+        await registry._reap()
+        assert dead.killed and list(registry._groups.values())[0].actor is other, "the dead group keeps a share"
+        assert "train:r:dead" not in registry._trial_groups and not registry._runs
+        assert await registry.group_for(_spec(3), "train:r:dead", NODE, this_process(None)) is _Coordinator.made[-1]
+
+    asyncio.run(scenario())
+
+
+def test_a_meeting_whose_last_waiting_rank_gave_up_is_dropped(registry):
+    async def scenario() -> None:
+        with pytest.raises(PrepError, match=r"rank 0 of 2 waited 0.05s for ranks \[1\]"):
+            await registry.meet(_spec(), "train:r:lonely", "train:r:lonely", 0, 2, NODE, 1, this_process(None), 0.05)
+        assert not registry._rendezvous, "a run's abandoned meeting is kept for the registry's life"
+        assert not registry._members and not registry._groups
+
+    asyncio.run(scenario())
+
+
+class _EvalActor(_PrepActor):
+    """A fake prep actor for evaluation: held-out pieces land when the test lands them."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[asyncio.Future, int]] = []  # (its (skipped, nbytes) future, first index)
+        self.held_out = _Method(self._held_out)
+        self.prepare_eval = self  # ``prepare_eval.options(num_returns=2).remote(...)``
+
+    @staticmethod
+    async def _held_out(spec: DataSpec) -> Any:
+        import numpy as np
+
+        from coordinated_prep.pipeline.chunk import image_layout
+        from coordinated_prep.pipeline.probe import Probe
+
+        return np.arange(240), Probe(image_layout((0,)), 10)  # 10 bytes per sample: the shortest ones
+
+    def options(self, **_: Any) -> "_EvalActor":
+        return self
+
+    def remote(self, key: str, box: Any, indices: Any, layout: Any) -> tuple[asyncio.Future, str]:
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append((future, int(indices[0])))
+        return future, f"piece-{int(indices[0]) // 8}"
+
+
+def test_resident_evaluation_pieces_are_charged_their_real_bytes_and_the_groups_share_the_rest(registry, monkeypatch):
+    """A length-sorted held-out split (in index order, piece ``i`` lands at ``i + 1`` times the
+    probe's bytes per sample): the resident pieces stay within the node's evaluation allowance at
+    their real bytes, and the node's groups are given what those leave (before: every piece that fit
+    at the probe's estimate was made resident at once, holding 12 times the allowance, and the groups
+    were split as if there were none)."""
+    actor = _EvalActor()
+
+    class Pool:
+        node, actors, budget_bytes, reserved_cpus = NODE, [actor], 2 * 3200, 1.0  # an allowance of 3200
+
+    registry._pools[NODE] = Pool()
+    monkeypatch.setattr(ray, "put", lambda value: value)
+    shares: list[int] = []
+
+    def real(piece: int) -> int:
+        return 8 * 10 * (piece + 1)
+
+    async def scenario() -> Any:
+        coordinator = await registry.group_for(DataSpec(dataset="builtin:shapes", pipeline={"size": 8}, chunk_size=2),
+                                               "X", NODE)
+        coordinator.set_budget = _Method(coordinator._async(shares.append))
+        spec = DataSpec(dataset="builtin:shapes", chunk_size=8)
+        plan = await registry.eval_plan(spec, "X", NODE)
+        assert (await registry.eval_piece(plan["key"], 1))["ref"] == "piece-1", "made resident for its reader"
+        while actor.pending:  # land what is in flight; what that makes resident lands in the next round
+            landing, watches = list(actor.pending), list(registry._eval_watches)
+            actor.pending.clear()
+            for future, first in landing:
+                future.set_result(((), real(first // 8)))
+            await asyncio.gather(*watches)
+        return registry._evals[plan["key"]]
+
+    found = asyncio.run(scenario())
+    resident = len(found.refs)
+    assert resident and found.refs == [f"piece-{i}" for i in range(resident)]
+    held = sum(real(i) for i in range(resident))
+    assert held <= 3200, f"{resident} resident pieces hold {held} bytes for an allowance of 3200"
+    assert found.resident_bytes == held and shares[-1] == 2 * 3200 - held
+    assert found.samples_prepared == 8 * resident, "each resident piece prepared once"

@@ -9,7 +9,7 @@ from ray.tune.experiment import Trial
 from ray.tune.schedulers import HyperBandScheduler as RayHyperBand
 from ray.tune.schedulers import TrialScheduler
 
-from coordinated_prep.schedulers import HyperBandScheduler
+from coordinated_prep.tune.schedulers import HyperBandScheduler
 from coordinated_prep.spec import DataSpec
 
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from coordinated_prep.plan import StreamPlan
-from coordinated_prep.staging import SlotState, StagingBuffer
+from coordinated_prep.stream.staging import SlotState, StagingBuffer
 from tests.harness import assert_exactly_once
 
 PIECE = 100  # bytes per full piece in these tests
@@ -600,3 +600,104 @@ def test_liveness_on_long_seeded_schedules(block):
         args = (rng.randint(1, 40), rng.randint(1, 6), rng.randint(1, 6), rng.randint(1, 6), rng.randint(1, 4),
                 rng.randint(0, 3))
         test_exactly_once_freeing_and_liveness_under_random_schedules.hypothesis.inner_test(ops, *args)
+
+
+# -- real bytes: a piece is charged what it holds once it lands ------------------------------------
+
+def _grow(plan: StreamPlan, probe: int, g: int) -> int:
+    """Real bytes of piece ``g`` of a dataset sorted by length (speech clips of 1 to 30 s): the probe
+    saw the shortest samples, and piece ``g`` lands ``g % 30 + 1`` times its bytes per sample."""
+    return plan.chunk_len(g) * probe * (g % 30 + 1)
+
+
+@pytest.mark.parametrize("most", [1, 4])
+def test_landed_pieces_are_charged_their_real_bytes_and_the_budget_holds(most):
+    """Pieces land 1x to 30x the probe's estimate, ``most`` in flight at a time: after every step the
+    staged bytes are the real bytes of the landed pieces plus the estimates of those in flight, and
+    they exceed the budget (or one piece alone) only by what the pieces in flight at the last
+    reservation landed larger than their estimates: never more than the budget plus one piece here."""
+    plan = StreamPlan(np.arange(480), 0, chunk_size=8, segments=1)  # 60 pieces an epoch
+    probe = 10
+    buf = StagingBuffer(40 * 8 * probe, plan.next_join_point, lookahead=100, sample_bytes=probe, calibrate=True)
+    buf.join("a", pieces=60)
+    rng = random.Random(most)
+    estimates: dict[int, int] = {}
+    flying: list[int] = []
+    at_reservation: list[int] = []  # the pieces in flight at the last reservation
+    floor = 0  # what a reservation left staged, the budget or one piece alone
+    while buf.head < 60 or buf.slots:
+        head_bytes = buf.estimate(plan.chunk_len(buf.head))
+        if buf.head < 60 and len(flying) < most and buf.fits(head_bytes):
+            assert head_bytes >= plan.chunk_len(buf.head) * max(
+                [probe] + [-(-buf.slots[g].nbytes // plan.chunk_len(g)) for g in buf.slots if g not in flying])
+            estimates[buf.reserve(head_bytes).g] = head_bytes
+            flying.append(buf.head - 1)
+            at_reservation = list(flying)
+            floor = max(buf.budget_bytes, buf.staged_bytes)
+            assert floor == buf.budget_bytes or len(buf.slots) == 1
+        elif flying:
+            g = flying.pop(rng.randrange(len(flying)))
+            buf.mark_ready(g, "ref", _grow(plan, probe, g), plan.chunk_len(g))
+        else:
+            buf.fetched("a", min(buf.slots), plan.chunk_len(min(buf.slots)))
+        real = {g: estimates[g] if g in flying else _grow(plan, probe, g) for g in buf.slots}
+        assert buf.staged_bytes == sum(real.values()), "staged bytes are the real bytes of the landed pieces"
+        surplus = sum(max(0, _grow(plan, probe, g) - estimates[g]) for g in at_reservation if g not in flying)
+        assert buf.staged_bytes <= floor + surplus
+        assert buf.staged_bytes <= buf.budget_bytes + max(real.values(), default=0)
+    assert buf.peak_bytes <= buf.budget_bytes + _grow(plan, probe, 59)
+
+
+def test_a_ragged_layout_sizes_its_first_piece_alone():
+    """With ``calibrate``, nothing is reserved beside the first piece until it lands with its real
+    size: the probe's few samples may be the dataset's smallest."""
+    plan = StreamPlan(np.arange(80), 0, chunk_size=8, segments=1)
+    buf = StagingBuffer(30 * 8 * 10, plan.next_join_point, sample_bytes=10, calibrate=True)
+    buf.join("a")
+    buf.reserve(buf.estimate(8))
+    assert not buf.fits(buf.estimate(8)) and buf.lease_holders(buf.estimate(8)) == set()
+    buf.mark_ready(0, "ref", 8 * 150, 8)  # 15x what the probe saw
+    assert buf.staged_bytes == 8 * 150 and buf.estimate(8) == 8 * 150
+    assert buf.fits(buf.estimate(8)), "sized: the budget decides again"
+    failed = buf.reserve(buf.estimate(8))
+    buf.mark_failed(failed.g, RuntimeError("bad sample"))
+    assert buf.staged_bytes == 8 * 150, "a failed piece holds its error, not a piece"
+
+
+def test_an_unmeasured_landing_keeps_its_estimate():
+    plan = StreamPlan(np.arange(80), 0, chunk_size=8, segments=1)
+    buf = _buffer(plan, 4)
+    buf.join("a")
+    buf.mark_ready(buf.reserve(PIECE).g, "ref")
+    assert buf.staged_bytes == PIECE and buf.fits(PIECE)
+
+
+def test_resident_evaluation_pieces_are_charged_their_real_bytes_within_the_allowance():
+    """Held-out pieces, in index order, of a dataset sorted by length grow from 1x to 30x what the
+    probe saw: each resident piece is charged its real bytes once it lands, the trailing ones are
+    shed while they exceed the allowance, and more become resident only while their estimates fit."""
+    from coordinated_prep.stream.eval_set import EvalSet, eval_pieces
+
+    found = EvalSet("eval-k", None, "node", eval_pieces(np.arange(240), 8), sample_bytes=10)  # 30 pieces
+    allowance = 40 * 8 * 10  # 40 pieces as the probe saw them, 3.4 as they land
+
+    def real(i: int) -> int:
+        return 8 * 10 * (i + 1)
+
+    rng = random.Random(0)
+    estimates: dict[int, int] = {}
+    while True:
+        while found.admits(allowance, 4):
+            estimates[len(found.refs)] = found.estimate(len(found.refs))
+            found.refs.append(f"ref-{len(found.refs)}")
+        flying = [i for i in range(len(found.refs)) if i not in found.real]
+        if not flying:
+            break
+        i = rng.choice(flying)
+        found.land(i, real(i), 8)
+        assert found.estimate(i + 1) >= real(i), "the next estimate is the largest bytes per sample seen"
+        found.shed(allowance)
+        charged = [found.real.get(j, found.estimate(j)) for j in range(len(found.refs))]
+        assert found.resident_bytes == sum(charged) <= allowance
+    assert found.refs and sum(real(i) for i in range(len(found.refs))) <= allowance
+    assert not found.admits(allowance, 4), "the next piece does not fit: it is streamed"

@@ -11,8 +11,8 @@ from ray.tune.search.sample import Categorical, Float, Integer, LogUniform
 
 from coordinated_prep import ConfigError
 from coordinated_prep.cli import main
-from coordinated_prep.schedulers import HyperBandScheduler
-from coordinated_prep.searcher import CoordinatedSearcher
+from coordinated_prep.tune.schedulers import HyperBandScheduler
+from coordinated_prep.tune.searcher import CoordinatedSearcher
 from coordinated_prep.sweep.algorithms import PBTSpec, SearchSpec
 from coordinated_prep.sweep.config import Dimension, load_sweep
 from coordinated_prep.sweep.runner import _scheduler, _search_algorithm

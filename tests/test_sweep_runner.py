@@ -16,7 +16,7 @@ import time
 from ray import tune
 
 from coordinated_prep import CoordinatedSearcher, DataSpec, train_loader
-from coordinated_prep.loader import resolve_spec
+from coordinated_prep.trial.loader import resolve_spec
 from coordinated_prep.pipeline.sources.shapes import ensure_shapes
 from coordinated_prep.sweep.config import load_sweep
 from coordinated_prep.sweep.progress import ProgressLine

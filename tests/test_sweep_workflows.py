@@ -12,7 +12,7 @@ import torch
 from ray import tune
 
 from coordinated_prep import eval_loader
-from coordinated_prep.loader import resolve_spec
+from coordinated_prep.trial.loader import resolve_spec
 from coordinated_prep.plan import holdout_split
 from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.sweep.config import load_sweep

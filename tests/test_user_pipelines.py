@@ -17,7 +17,7 @@ from torchvision.transforms import v2
 
 from coordinated_prep import CoordinatedSearcher, DataSpec, PoolSpec, eval_loader, train_loader
 from coordinated_prep.pipeline import Factory
-from coordinated_prep.pipeline.batching import batched
+from coordinated_prep.trial.batching import batched
 from coordinated_prep.pipeline.chunk import eval_chunk, prepare_chunk
 from coordinated_prep.pipeline.probe import probe, train_indices
 from coordinated_prep.pipeline.transforms import make_pipeline

@@ -25,6 +25,8 @@ from torch import nn
 
 from coordinated_prep.context import whereabouts
 from coordinated_prep.errors import ConfigError
+from trainables.session import load_state, save_state
+
 
 def workers_of(config: Mapping[str, Any]) -> int:
     """``config["workers"]``, checked: the Ray Train workers a trial trains on (1: none)."""
@@ -89,13 +91,11 @@ def prepare(model: nn.Module) -> nn.Module:
 
 
 class TrainSession:
-    """Ray Train's side of :class:`trainables.common.Session`: every rank reports its metrics (Tune
+    """Ray Train's side of :class:`trainables.session.Session`: every rank reports its metrics (Tune
     sees rank 0's), rank 0 writes the checkpoint, and a restarted worker group resumes from it."""
 
     def restore(self) -> dict[str, Any] | None:
         import ray.train
-
-        from trainables.common import load_state
 
         checkpoint = ray.train.get_checkpoint()
         return None if checkpoint is None else load_state(checkpoint)
@@ -106,8 +106,6 @@ class TrainSession:
         if ray.train.get_context().get_world_rank() != 0:
             ray.train.report(metrics)
             return
-        from trainables.common import save_state
-
         with tempfile.TemporaryDirectory(prefix="coordprep-ckpt-") as d:
             save_state(d, state)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))

@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import functools
-import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
@@ -13,12 +11,10 @@ import torch
 from torch import nn
 
 from coordinated_prep import eval_loader, train_loader
-from trainables import distributed
-from trainables.common import Session, TuneSession, make_optimizer
-from trainables.common import _advance, _load  # the schedule and resume rules of fit, kept in one place
+from coordinated_prep.trial.timing import Timing
 from trainables.scores import Scores
-
-logger = logging.getLogger(__name__)
+from trainables.session import Session, TuneSession  # TuneSession, make_optimizer: importable here, as before
+from trainables.training import Recipe, _advance, make_optimizer, on_workers, run_epoch, train
 
 
 @dataclass(frozen=True)
@@ -50,40 +46,42 @@ def fit_task(config: Mapping[str, Any], task: Task, session: Session | None = No
     (one-cycle schedule, one step per batch). With ``workers: k`` above 1 it trains on k Ray Train
     workers (DDP), as :func:`trainables.common.fit` does.
     """
-    if distributed.workers_of(config) > 1 and not distributed.in_worker():
-        distributed.launch(config, functools.partial(fit_task, task=task))
+    if on_workers(config, functools.partial(fit_task, task=task)):
         return
-    session = session or (distributed.TrainSession() if distributed.in_worker() else TuneSession())
-    torch.set_num_threads(int(config.get("torch_threads", 1)))
-    torch.manual_seed(int(config.get("model_seed", 0)))  # reproducible initialisation per trial
-    device = distributed.device()
-    num_classes = int(config.get("num_classes", task.num_classes))
-    core = task.build(num_classes, config).to(device)
-    model = distributed.prepare(core)  # DDP in a Ray Train worker of several; checkpoints hold the core's state
-    optimizer = make_optimizer(model, config)
-    epochs, batch_size = int(config["epochs"]), int(config["batch_size"])
-    state = session.restore()
-    done = int(state["epoch"]) if state else 0
-    if done >= epochs:
-        logger.info("the checkpoint is of epoch %d of %d: nothing left to train", done, epochs)
-        return
-    loss_fn = nn.CrossEntropyLoss()
-    with train_loader(config, batch_size=batch_size, epochs=epochs - done) as loader:
-        per_epoch = loader.fresh_batches_per_epoch
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=float(config["lr"]), total_steps=epochs * per_epoch, pct_start=0.25)
-        if state:
-            _load(state, core, optimizer, scheduler, config)
-        for epoch in range(done, epochs):
-            metrics = train_epoch(model, optimizer, scheduler, loss_fn, loader, device, epoch * per_epoch)
-            _advance(scheduler, (epoch + 1) * per_epoch)
-            eval_loss, scores = evaluate(core, config, device, loss_fn, task.scores(num_classes))  # no collectives
-            metrics.update({"epoch": epoch + 1, "loss": eval_loss, **scores,
-                            "private_samples": loader.private_samples,
-                            "copied_fraction": loader.stats.copied_fraction,
-                            "loader_cpu_ms_per_batch": loader.stats.cpu_ms_per_batch})
-            session.report(metrics, {"epoch": epoch + 1, "lr": float(config["lr"]), "model": core.state_dict(),
-                                     "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})
+    train(config, _TaskRecipe(task), session)
+
+
+class _TaskRecipe(Recipe):
+    """:func:`fit_task`'s recipe: ``(inputs, targets)`` batches as the transforms made them, the task's scores."""
+
+    def __init__(self, task: Task) -> None:
+        self._task = task
+
+    def _num_classes(self, config: Mapping[str, Any]) -> int:
+        return int(config.get("num_classes", self._task.num_classes))
+
+    def build(self, config: Mapping[str, Any], device: torch.device) -> nn.Module:
+        return self._task.build(self._num_classes(config), config).to(device)
+
+    def loader(self, config: Mapping[str, Any], batch_size: int, epochs: int) -> Any:
+        return train_loader(config, batch_size=batch_size, epochs=epochs)
+
+    def step(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module, batch: Any,
+             device: torch.device) -> tuple[float, int]:
+        return _pair_step(model, optimizer, loss_fn, batch, device)
+
+    def evaluate(self, core: nn.Module, config: Mapping[str, Any], device: torch.device,
+                 loss_fn: nn.Module) -> dict[str, float]:
+        loss, scores = evaluate(core, config, device, loss_fn, self._task.scores(self._num_classes(config)))
+        return {"loss": loss, **scores}
+
+    def metrics(self, epoch: int, train: dict[str, float], held_out: dict[str, float], loader: Any) -> dict[str, Any]:
+        return {**train, "epoch": epoch, **held_out, "private_samples": loader.private_samples,
+                "copied_fraction": loader.stats.copied_fraction,
+                "loader_cpu_ms_per_batch": loader.stats.cpu_ms_per_batch}
+
+    def schedule_step(self, loader: Any, timing: Timing, batch_size: int) -> int:
+        return timing.steps  # one step per batch
 
 
 def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
@@ -91,23 +89,15 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: t
     """One epoch of ``for inputs, targets in batches``; the schedule moves a step per batch from
     ``first_step``. Returns ``train_loss``, ``samples``, ``steps``, ``data_wait_s``, ``compute_s`` and
     ``stall_fraction`` (the share of the epoch spent waiting for batches)."""
-    model.train()
-    wait = compute = loss_sum = 0.0
-    seen = steps = 0
-    t0 = time.perf_counter()
-    for inputs, targets in batches:
-        t1 = time.perf_counter()
-        wait += t1 - t0
-        loss = train_step(model, optimizer, loss_fn, inputs, targets, device)
-        steps += 1
-        _advance(scheduler, first_step + steps)
-        loss_sum += loss * len(targets)
-        seen += len(targets)
-        t0 = time.perf_counter()
-        compute += t0 - t1
-    wait += time.perf_counter() - t0  # waiting for the end of the epoch is waiting too
-    return {"train_loss": loss_sum / max(seen, 1), "samples": seen, "steps": steps, "data_wait_s": wait,
-            "compute_s": compute, "stall_fraction": wait / max(wait + compute, 1e-9)}
+    return run_epoch(model, batches, lambda batch: _pair_step(model, optimizer, loss_fn, batch, device),
+                     lambda timing: _advance(scheduler, first_step + timing.steps))
+
+
+def _pair_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module, batch: Any,
+               device: torch.device) -> tuple[float, int]:
+    """:func:`train_step` on an ``(inputs, targets)`` batch; returns its mean loss and its samples."""
+    inputs, targets = batch
+    return train_step(model, optimizer, loss_fn, inputs, targets, device), len(targets)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module, inputs: torch.Tensor,

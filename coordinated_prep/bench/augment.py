@@ -54,7 +54,7 @@ def measure(variant: str, args: argparse.Namespace, n_train: int) -> dict[str, A
     from ray import tune
 
     from coordinated_prep.bench.trials import bench_trial
-    from coordinated_prep.searcher import CoordinatedSearcher
+    from coordinated_prep.tune.searcher import CoordinatedSearcher
 
     coordinated = variant != "dataloader"
     trials = len(args.scales) * args.trials_per_scale

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from coordinated_prep.echo import EchoSpec
+from coordinated_prep.trial.echo import EchoSpec
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.sweep.config import SweepConfig, _parse
 from coordinated_prep.sweep.summary import format_table

@@ -27,7 +27,7 @@ from coordinated_prep.bench.trials import bench_trial, launch_trial
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.plan import holdout_split
 from coordinated_prep.pool.spec import PoolSpec
-from coordinated_prep.searcher import CoordinatedSearcher
+from coordinated_prep.tune.searcher import CoordinatedSearcher
 from coordinated_prep.pipeline.sources import ImageFolderSource, ParquetSource, open_source
 from coordinated_prep.spec import DataSpec
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import resource
 import time
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from coordinated_prep.pipeline.datasets import EncodedImages, build
 from coordinated_prep.plan import holdout_split
 from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.spec import DataSpec
+from coordinated_prep.trial.timing import Timing, timed
 
 
 def bench_trial(config: Mapping[str, Any]) -> None:
@@ -47,51 +48,54 @@ def bench_trial(config: Mapping[str, Any]) -> None:
     step = _step(config, len(open_source(spec.dataset).classes))
     limit = int(config.get("max_batches") or 0)
     cpu0, children0 = time.process_time(), _children_cpu()
-    samples = read = steps = 0  # samples after the first batch; samples in all; batches
-    wait = compute = 0.0
+    timing = Timing()  # data wait after the first batch; compute and batches (steps) of every batch
     t_created = time.time()
     loader = _loader(kind, config, spec, batch, epochs)
-    t_first = None
-    for _ in range(epochs):
-        batches = iter(loader)
-        done = 0
-        while not limit or done < limit:
-            t0 = time.perf_counter()
-            item = next(batches, None)
-            t1 = time.perf_counter()
-            wait += t1 - t0
-            if item is None:
-                break
-            images, labels = item
-            read += len(labels)
-            steps += 1
-            if t_first is None:  # steady state starts once the first batch is in
-                t_first, wait = time.time(), 0.0
-            else:
-                samples += len(labels)
-            step(images, labels)
-            compute += time.perf_counter() - t1
-            done += 1
-        del batches  # a DataLoader iterator cut short shuts its workers down (and waits for them) here
+    t_first, samples, read = _read(loader, epochs, limit, step, timing)
     t_end = time.time()
-    private_prep_cpu: float | None = 0.0
-    if kind == "dataloader":
-        private_prep_cpu = _children_cpu() - children0  # the workers have exited: their CPU is counted
-    elif kind == "dali":
-        # DALI's threads share this process with the step: its CPU is DALI's only when the step
-        # sleeps; beside a CNN on the CPU it cannot be told apart.
-        private_prep_cpu = time.process_time() - cpu0 if config["step"] == "simulated" else None
+    private_prep_cpu = _private_prep_cpu(kind, config, cpu0, children0)
     trial_cpu = time.process_time() - cpu0  # this process, all its threads (Ray's too); not its workers
     batches = getattr(getattr(loader, "loader", None), "stats", None)  # a coordinated loader's own counters
     if hasattr(loader, "close"):
         loader.close()
+    simulated, steps = config["step"] == "simulated", timing.steps
     tune.report({"samples": samples, "samples_read": read, "t_created": t_created, "t_first": t_first or t_end,
-                 "t_end": t_end, "startup_s": (t_first or t_end) - t_created, "data_wait_s": wait,
-                 "compute_s": compute, "stall_fraction": wait / max(wait + compute, 1e-9),
+                 "t_end": t_end, "startup_s": (t_first or t_end) - t_created, "data_wait_s": timing.wait,
+                 "compute_s": timing.compute, "stall_fraction": timing.stall_fraction,
                  "private_prep_cpu_s": private_prep_cpu, "batches": steps,
-                 "trial_cpu_ms_per_batch": 1000 * trial_cpu / max(steps, 1) if config["step"] == "simulated" else None,
+                 "trial_cpu_ms_per_batch": 1000 * trial_cpu / max(steps, 1) if simulated else None,
                  "copied_fraction": batches.copied_fraction if batches is not None else None,
                  "loader_cpu_ms_per_batch": batches.cpu_ms_per_batch if batches is not None else None})
+
+
+def _read(loader: Any, epochs: int, limit: int, step: Callable[[Any, Any], None],
+          timing: Timing) -> tuple[float | None, int, int]:
+    """Read ``epochs`` timed passes over ``loader`` (``limit`` batches each at most; 0: all), ``step``
+    per batch. Returns when the first batch came in (None: none did), the samples read after it and
+    all samples read. ``timing`` leaves out the wait for the first batch: start-up, reported apart."""
+    t_first, samples, read = None, 0, 0
+    for _ in range(epochs):
+        # timed() drops its iterator when the pass ends: a DataLoader's cut short by the limit shuts
+        # its workers down (and waits for them) there, before the next epoch's start.
+        for images, labels in timed(loader, timing, limit):
+            read += len(labels)
+            if t_first is None:  # steady state starts once the first batch is in
+                t_first, timing.wait = time.time(), 0.0
+            else:
+                samples += len(labels)
+            step(images, labels)
+    return t_first, samples, read
+
+
+def _private_prep_cpu(kind: str, config: Mapping[str, Any], cpu0: float, children0: float) -> float | None:
+    """The CPU seconds the trial's own preparation took since ``cpu0`` / ``children0``."""
+    if kind == "dataloader":
+        return _children_cpu() - children0  # the workers have exited: their CPU is counted
+    if kind == "dali":
+        # DALI's threads share this process with the step: its CPU is DALI's only when the step
+        # sleeps; beside a CNN on the CPU it cannot be told apart.
+        return time.process_time() - cpu0 if config["step"] == "simulated" else None
+    return 0.0
 
 
 def launch_trial(config: Mapping[str, Any]) -> None:
@@ -111,7 +115,7 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _step(config: Mapping[str, Any], num_classes: int):
+def _step(config: Mapping[str, Any], num_classes: int) -> Callable[[Any, Any], None]:
     if config["step"] == "simulated":
         seconds = float(config["step_ms"]) / 1000
 
@@ -120,20 +124,21 @@ def _step(config: Mapping[str, Any], num_classes: int):
 
         return simulated
     from trainables import MODELS
-    from trainables.common import make_optimizer, train_step
+    from trainables.common import train_step
+    from trainables.training import setup
 
-    torch.manual_seed(0)
-    model = MODELS["small_cnn"](num_classes, {"width": int(config.get("width", 8))})
-    optimizer = make_optimizer(model, {"lr": 0.05})
+    width = int(config.get("width", 8))
+    trainer = setup({"lr": 0.05}, lambda device: MODELS["small_cnn"](num_classes, {"width": width}),
+                    torch.device("cpu"))  # seed 0, one thread, as every trainable's preamble
     loss_fn = torch.nn.CrossEntropyLoss()
-    device = torch.device("cpu")
-    return lambda images, labels: train_step(model, optimizer, loss_fn, images, labels, device)
+    return lambda images, labels: train_step(trainer.model, trainer.optimizer, loss_fn, images, labels,
+                                             trainer.device)
 
 
 def _loader(kind: str, config: Mapping[str, Any], spec: DataSpec, batch: int, epochs: int) -> Any:
     workers = int(config["workers"])
     if kind.startswith("coordinated"):
-        from coordinated_prep.loader import train_loader
+        from coordinated_prep.trial.loader import train_loader
 
         return _Pairs(train_loader(config, batch, epochs=epochs))
     source = open_source(spec.dataset)

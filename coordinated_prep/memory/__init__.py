@@ -2,9 +2,10 @@
 
 Modules, one idea each: :mod:`.spec` (the ``memory:`` key, no torch), :mod:`.stages` (a model's
 stages), :mod:`.modes` (checkpointing applied to a model), :mod:`.budget` (the budget plan),
-:mod:`.measure` (one step's memory and time), :mod:`.configs` (a sweep's configurations, no torch),
-:mod:`.run` and :mod:`.report` (``coordprep memory``), :mod:`.packing` (GPU shares, no torch) and
-:mod:`.auto` (``gpu: auto`` in a sweep). Only the names below that need torch import it, on first use.
+:mod:`.norms` (batch-norm statistics kept through a recomputation, for both),
+:mod:`.measure` (one step's memory and time), :mod:`.packing` (GPU shares, no torch). The
+``coordprep memory`` tool and ``gpu: auto``, which import the sweep and the trainables, are in
+:mod:`coordinated_prep.memory_tool`. Only the names below that need torch import it, on first use.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from coordinated_prep.memory.norms import batch_norms, kept_batch_norm_stats
 from coordinated_prep.memory.stages import Stage
 
 
@@ -83,8 +84,6 @@ def plan_budget(stages: Sequence[Stage], x: torch.Tensor, fraction: float) -> Bu
 
     The profile leaves batch-norm statistics as they were, and holds one stage's outputs at a time.
     """
-    from coordinated_prep.memory.modes import batch_norms, kept_batch_norm_stats
-
     records, none_bytes, mandatory = profile(stages, x, batch_norms([m for s in stages for m in s.modules]),
                                              kept_batch_norm_stats)
     budget = int(fraction * none_bytes)

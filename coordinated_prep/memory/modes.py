@@ -15,15 +15,15 @@ they are updated once per step, as without checkpointing (``tests/test_memory_mo
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from coordinated_prep.memory.budget import BudgetPlan, plan_budget
+from coordinated_prep.memory.norms import batch_norms, kept_batch_norm_stats  # re-exported: their old home
 from coordinated_prep.memory.spec import MemoryMode, parse_memory
 from coordinated_prep.memory.stages import Stage, split_stages
 
@@ -41,29 +41,6 @@ def apply_memory(model: nn.Module, mode: MemoryMode | Any) -> nn.Module:
         return model
     model.forward = _MemoryForward(model, split_stages(model), mode)  # an instance attribute: no new module
     return model
-
-
-def batch_norms(modules: Sequence[nn.Module]) -> list[nn.Module]:
-    """The batch-norm layers in ``modules`` (and their children)."""
-    return [m for top in modules for m in top.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-
-
-@contextlib.contextmanager
-def kept_batch_norm_stats(norms: Sequence[nn.Module]) -> Iterator[None]:
-    """Run the body, then put the running statistics of ``norms`` back as they were before it.
-
-    The copies run outside any dispatch mode: inside a recomputation, selective checkpointing's mode
-    would otherwise take them for ops of the region (and find no saved result for them).
-    """
-    with _disable_current_modes():
-        saved = [(b, {k: v.clone() for k, v in b._buffers.items() if v is not None}) for b in norms]
-    try:
-        yield
-    finally:
-        with _disable_current_modes(), torch.no_grad():
-            for b, buffers in saved:
-                for k, v in buffers.items():
-                    b._buffers[k].copy_(v)
 
 
 class _StageRun:
@@ -106,7 +83,7 @@ class _MemoryForward:
     def __init__(self, model: nn.Module, stages: list[Stage], mode: MemoryMode) -> None:
         self._model, self._stages, self.mode = model, stages, mode
         self._norms = [batch_norms(s.modules) for s in stages]
-        self.plans: dict[tuple[Any, ...], Any] = {}  # BudgetPlan per input shape, dtype and device
+        self.plans: dict[tuple[Any, ...], BudgetPlan] = {}  # per input shape, dtype and device
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not (self._model.training and torch.is_grad_enabled()):
@@ -124,11 +101,9 @@ class _MemoryForward:
             x = checkpoint(_StageRun(stage, norms), x, use_reentrant=False, respect_saved_tensors_hooks=True, **extra)
         return x
 
-    def _plan(self, x: torch.Tensor) -> Any:
+    def _plan(self, x: torch.Tensor) -> BudgetPlan:
         key = (tuple(x.shape), x.dtype, x.device)
         if key not in self.plans:
-            from coordinated_prep.memory.budget import plan_budget
-
             self.plans[key] = plan_budget(self._stages, x, float(self.mode.budget))  # type: ignore[arg-type]
             logger.info("memory %s for input %s: %s", self.mode.label, tuple(x.shape), self.plans[key].describe())
         return self.plans[key]

@@ -168,6 +168,7 @@ class ChunkTiming(NamedTuple):
     cache_hits: int = 0  # samples that came from a node's raw-data cache
     decodes: int = 0  # samples whose prefix (decode, ...) ran here (:mod:`coordinated_prep.pipeline.split`)
     tier_hits: int = 0  # samples whose prefix output came from the node's decoded tier
+    nbytes: int = 0  # the piece's real bytes (set by the prep actor; 0 when unset)
 
 
 #: How a prep actor gets prefix outputs: ``(prefix key, indices, produce) -> (outputs, decodes,

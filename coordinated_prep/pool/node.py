@@ -1,7 +1,7 @@
 """One node's prep pool: its prep actors, the CPUs they reserve, the node's staging budget, and its
 decoded tier (:mod:`coordinated_prep.tier`).
 
-Ownership: the sweep's :class:`~coordinated_prep.registry.GroupRegistry` creates one ``NodePool``
+Ownership: the sweep's :class:`~coordinated_prep.stream.registry.GroupRegistry` creates one ``NodePool``
 per node when the sweep starts (every live node) or when a trial first runs on a node that joined
 later, and kills its actors in ``shutdown``; the actors are the registry's (Ray's owner), so they
 outlive any one coordinator. Coordinators hold handles and submit pieces to them, and own the
@@ -23,7 +23,7 @@ from coordinated_prep.cache.layout import CacheLayout
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import PrepError
 from coordinated_prep.pool.spec import PoolSpec
-from coordinated_prep.prep_actor import PrepActor
+from coordinated_prep.pool.prep_actor import PrepActor
 from coordinated_prep.tier.actor import DecodedTier
 
 #: How long a prep actor's claim on a sample holds before others decode it themselves (a piece

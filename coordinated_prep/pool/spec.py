@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from coordinated_prep.cache.spec import parse_bytes
-from coordinated_prep.errors import ConfigError
+from coordinated_prep.errors import ConfigError, known_keys
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,6 @@ class PoolSpec:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], where: str = "pool") -> "PoolSpec":
         """Build from a plain mapping (YAML), rejecting unknown keys by name."""
-        from coordinated_prep.spec import known_keys
-
         return cls(**known_keys(cls, values, where))
 
 

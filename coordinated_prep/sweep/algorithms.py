@@ -80,7 +80,7 @@ class AshaSpec(SchedulerSpec):
 
 @dataclass(frozen=True)
 class HyperBandSpec(SchedulerSpec):
-    """Synchronous HyperBand: brackets of trials halved together (``coordinated_prep.schedulers.HyperBandScheduler``,
+    """Synchronous HyperBand: brackets of trials halved together (``coordinated_prep.tune.schedulers.HyperBandScheduler``,
     Ray's with its end-of-bracket hang fixed)."""
 
     type: ClassVar[str] = "hyperband"
@@ -93,7 +93,7 @@ class HyperBandSpec(SchedulerSpec):
 
     def to_tune(self, default_max_t: int) -> Any:
         """Our ``HyperBandScheduler``."""
-        from coordinated_prep.schedulers import HyperBandScheduler
+        from coordinated_prep.tune.schedulers import HyperBandScheduler
 
         return HyperBandScheduler(time_attr=TIME_ATTR, max_t=self.max_t or default_max_t,
                                   reduction_factor=self.reduction_factor)

@@ -19,7 +19,7 @@ Schema (every key but ``trainable`` and ``search_space`` is optional)::
       batch_size: {choice: [32, 64]}
       width: {grid: [8, 16]}
       memory: {choice: [none, checkpoint, {budget: 0.3}]}   # or a constant: none, checkpoint, {budget: 0.3}
-      echo: {choice: [1, 2, batch:2, auto]}   # data echoing per trial (coordinated_prep.echo); not part of the group
+      echo: {choice: [1, 2, batch:2, auto]}   # data echoing per trial (coordinated_prep.trial.echo); not part of the group
       epochs: 3
       # a place inside `data` by its dotted path (coordinated_prep.sweep.data_space): each trial gets the DataSpec
       # of its values (equal values, one data group); every listable value is checked at load
@@ -37,7 +37,7 @@ Schema (every key but ``trainable`` and ``search_space`` is optional)::
     scheduler: {type: asha, grace_period: 1, reduction_factor: 2}   # default {type: fifo}; the types and keys:
     #   fifo
     #   asha       grace_period: 1, reduction_factor: 2, max_t: <epochs>
-    #   hyperband  max_t: <epochs>, reduction_factor: 3   (synchronous: coordinated_prep.schedulers' class)
+    #   hyperband  max_t: <epochs>, reduction_factor: 3   (synchronous: coordinated_prep.tune.schedulers' class)
     #   pbt        hyperparam_mutations: {lr: {loguniform: [0.001, 0.1]}} (search-space keys, no grid, no data keys),
     #              perturbation_interval: 1, quantile_fraction: 0.25, resample_probability: 0.25, synch: false
     #   pb2        hyperparam_bounds: {lr: [0.001, 0.1]}, perturbation_interval: 1, quantile_fraction: 0.25
@@ -64,7 +64,7 @@ from typing import Any, Callable, Literal, Mapping
 
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import ConfigError
-from coordinated_prep.echo import EchoSpec
+from coordinated_prep.trial.echo import EchoSpec
 from coordinated_prep.memory.packing import GpuAuto
 from coordinated_prep.memory.spec import parse_memory
 from coordinated_prep.pool.spec import PoolSpec

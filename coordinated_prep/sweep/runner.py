@@ -9,7 +9,7 @@ from typing import Any, Iterator, Mapping, Sequence, TextIO
 
 from coordinated_prep.cache.arena import remove_stale
 from coordinated_prep.errors import ConfigError
-from coordinated_prep.searcher import CoordinatedSearcher
+from coordinated_prep.tune.searcher import CoordinatedSearcher
 from coordinated_prep.sweep.config import SweepConfig
 from coordinated_prep.sweep.summary import build_summary, write_summary
 
@@ -109,7 +109,7 @@ def trial_resources(cfg: SweepConfig) -> tuple[dict[str, float], dict[str, Any]]
     resources = {k: v for k, v in cfg.resources_per_trial.items() if v}
     param_space = cfg.param_space()
     if cfg.gpu_auto is not None:
-        from coordinated_prep.memory.auto import gpu_bytes, plan_gpu
+        from coordinated_prep.memory_tool.auto import gpu_bytes, plan_gpu
 
         packing = plan_gpu(cfg, gpu_bytes())
         if packing is not None:
@@ -204,7 +204,7 @@ def _saved_statuses(path: str) -> dict[str, str]:
 
 def _echo_name(value: Any) -> str:
     """The trial's echo setting by its short name (``off``, ``example:2``, ``auto:4``)."""
-    from coordinated_prep.echo import EchoSpec
+    from coordinated_prep.trial.echo import EchoSpec
 
     try:
         return EchoSpec.parse(value).name

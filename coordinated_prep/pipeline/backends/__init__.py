@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from coordinated_prep.contracts import Preprocessor
-from coordinated_prep.spec import PipelineSpec
+from coordinated_prep.pipeline.backends.spec import PipelineSpec
 
 __all__ = ["make_preprocessor"]
 

@@ -21,9 +21,9 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image
 
-from coordinated_prep.pipeline.backends.augment import crop_params
 from coordinated_prep.errors import ConfigError
-from coordinated_prep.spec import PipelineSpec
+from coordinated_prep.pipeline.backends.augment import crop_params
+from coordinated_prep.pipeline.backends.spec import PipelineSpec
 
 
 def import_dali() -> tuple[Any, Any, Any]:

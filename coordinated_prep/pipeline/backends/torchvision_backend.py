@@ -10,7 +10,7 @@ from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms.v2 import functional as F
 
 from coordinated_prep.pipeline.backends.augment import crop_params
-from coordinated_prep.spec import PipelineSpec
+from coordinated_prep.pipeline.backends.spec import PipelineSpec
 
 # torchvision 0.29 warns on every decode that torchcodec will take over; once per sample would
 # flood every prep actor's log, so this one message is silenced (the API still works as documented).

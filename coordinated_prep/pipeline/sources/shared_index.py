@@ -1,6 +1,6 @@
 """One walk of an ImageFolder per sweep and node: the group registry keeps the index in the object store.
 
-Ownership: the sweep's :class:`~coordinated_prep.registry.GroupRegistry` owns one index object per
+Ownership: the sweep's :class:`~coordinated_prep.stream.registry.GroupRegistry` owns one index object per
 (dataset directory, node), made on first request and kept until the registry shuts down. On the
 registry's own node it walks the tree in a thread of its own process and puts the result; on another
 node a zero-CPU task pinned there walks it. Every process of the sweep's Ray job that opens the

@@ -8,19 +8,21 @@ import math
 import weakref
 from typing import Any, Protocol
 
+import numpy as np
 import ray
 
 from coordinated_prep.pipeline.chunk import PreparedChunk, prepare_chunk
 from coordinated_prep.pipeline.probe import probe, train_indices
+from coordinated_prep.pipeline.seeding import in_process
 from coordinated_prep.pipeline.transforms import make_pipeline
-from coordinated_prep.pipeline.workers import WorkerPieces
+from coordinated_prep.trial.workers import WorkerPieces
 from coordinated_prep.errors import ConfigError, PrepError
 from coordinated_prep.naming import NAMESPACE, registry_name
-from coordinated_prep.plan import stream_plan
+from coordinated_prep.plan import StreamPlan, stream_plan
 from coordinated_prep.readonly import protect
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.context import worker_group
-from coordinated_prep.watch import this_process
+from coordinated_prep.stream.watch import this_process
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +33,7 @@ class PieceStream(Protocol):
     start: int
     chunks_per_epoch: int
     samples_per_epoch: int
+    chunk_size: int  # samples the plan puts in a piece (the epoch's last may hold fewer)
     coordinator: str | None  # name of the coordinator serving it; None when private
     private_samples: int  # samples this process prepared itself
 
@@ -47,6 +50,10 @@ class PieceStream(Protocol):
         """Pass over every piece before piece ``g`` without reading it, at once (no waiting)."""
         ...
 
+    def chunk_samples(self, g: int) -> np.ndarray:
+        """Dataset indices the plan puts in piece ``g``, in order (a piece may hold fewer: skipped samples)."""
+        ...
+
     def ready(self, k: int = 1) -> bool:
         """Whether the next ``k`` pieces can be had without waiting for another process to prepare them."""
         ...
@@ -61,8 +68,9 @@ class PrivateStream:
 
     It walks the same plan from piece ``first`` with the same preparation function as the prep
     actors, so its bytes equal those of a shared trial reading the same pieces. With ``workers`` = 0
-    each piece is prepared on the reading thread when asked; with ``workers`` > 0 in that many
-    worker processes, ``prefetch`` pieces ahead of each (:mod:`coordinated_prep.pipeline.workers`).
+    each piece is prepared when asked, on the thread that iterates the loader (a helper thread that
+    asks hands it there: :mod:`coordinated_prep.pipeline.seeding`, rule 2); with ``workers`` > 0 in
+    that many worker processes, ``prefetch`` pieces ahead of each (:mod:`coordinated_prep.trial.workers`).
 
     Raises:
         ConfigError, StructureError: The group's start refuses the pipeline (probe).
@@ -79,6 +87,8 @@ class PrivateStream:
         self.coordinator = None
         self.chunks_per_epoch = self._plan.chunks_per_epoch
         self.samples_per_epoch = self._plan.samples_per_epoch
+        self.chunk_size = self._plan.chunk_size
+        self.chunk_samples = self._plan.chunk_samples
         self.private_samples = 0
         self._next = first
 
@@ -95,14 +105,14 @@ class PrivateStream:
 
     def next_piece(self) -> PreparedChunk:
         g, self._next = self._next, self._next + 1
-        if self._workers is not None:
-            chunk = self._workers.next(g)
-        else:
-            epoch, _ = self._plan.locate(g)
-            chunk, _ = prepare_chunk(self._pipeline, self._layout, self._spec.seed, epoch, self._plan.chunk_samples(g),
-                                     self._spec.on_error, self._spec.views)
+        chunk = self._workers.next(g) if self._workers is not None else in_process(lambda: self._prepare(g))
         self.private_samples += len(chunk) // chunk.views  # samples, not their views
         return chunk
+
+    def _prepare(self, g: int) -> PreparedChunk:
+        epoch, _ = self._plan.locate(g)
+        return prepare_chunk(self._pipeline, self._layout, self._spec.seed, epoch, self._plan.chunk_samples(g),
+                             self._spec.on_error, self._spec.views)[0]
 
     def close(self) -> None:
         if self._workers is not None:
@@ -122,7 +132,7 @@ class SharedStream:
         prefetch: Pieces requested ahead (bounded); None: two batches' worth, and at least two pieces.
         epochs: Epochs the trial will read, if it knows: nothing past them is requested or prepared.
         rank: ``(r, k)``: rank ``r`` of a data-parallel trial of ``k`` workers, which reads every
-            piece of the trial's epochs and keeps its share (:mod:`coordinated_prep.pipeline.shard`).
+            piece of the trial's epochs and keeps its share (:mod:`coordinated_prep.trial.shard`).
     """
 
     def __init__(self, spec: DataSpec, trial: str, consumer: str, batch_size: int, prefetch: int | None = None,
@@ -134,13 +144,15 @@ class SharedStream:
         info = self._join(trial, epochs, rank)
         self._trial = consumer = info["consumer"]  # ``<consumer>@<rank>`` for a data-parallel rank
         if info["token"] is None:  # its node released the ranks' start already: its own pieces from there
-            self._fallback = PrivateStream(spec, first=info["start"])
+            self._fallback = in_process(lambda: PrivateStream(spec, first=info["start"]))  # its probe prepares
             info.update(token=-1, chunks_per_epoch=self._fallback.chunks_per_epoch,  # -1: no incarnation to leave
                         samples_per_epoch=self._fallback.samples_per_epoch,
                         chunk_size=self._fallback._plan.chunk_size)
         self.start: int = info["start"]
         self.chunks_per_epoch: int = info["chunks_per_epoch"]
         self.samples_per_epoch: int = info["samples_per_epoch"]
+        self.chunk_size: int = info["chunk_size"]
+        self._plan: StreamPlan | None = None  # built only if a data-parallel rank meets a piece short of samples
         self.coordinator: str = info["name"]
         self._token: int = info["token"]
         self._next = self.start
@@ -177,7 +189,8 @@ class SharedStream:
                 return {"token": None, "start": placed["start"], "name": None, "consumer": consumer}
             return placed["info"]
         for attempt in (1, 2):
-            self._coordinator = self._call(registry.group_for.remote(self._spec, trial, node), "finding its data group")
+            self._coordinator = self._call(registry.group_for.remote(self._spec, trial, node, process),
+                                           "finding its data group")  # a run without Tune leaves when it ends
             try:
                 return self._call(self._coordinator.join.remote(self._trial, epochs, process),
                                   "joining its data group")
@@ -205,6 +218,21 @@ class SharedStream:
         piece = self._call(answer["ref"], f"reading piece {g}")
         protect(piece.buffer)  # other trials read these bytes: this process may not write them
         return piece
+
+    def chunk_samples(self, g: int) -> np.ndarray:
+        """Dataset indices the plan puts in piece ``g``: the group's plan, built here once when first asked
+        (a data-parallel rank whose node skipped broken samples; :mod:`coordinated_prep.trial.shard`)."""
+        if self._plan is None and self._fallback is not None:
+            self._plan = self._fallback._plan  # the same plan, built already
+        if self._plan is None:
+            spec = self._spec
+            plan = stream_plan(len(make_pipeline(spec)), spec.seed, spec.holdout, spec.chunk_size, spec.segments)
+            if (plan.samples_per_epoch, plan.chunk_size) != (self.samples_per_epoch, self.chunk_size):
+                raise PrepError(f"trial {self._trial}: the dataset here has {plan.samples_per_epoch} training samples "
+                                f"in pieces of {plan.chunk_size}, its data group's {self.samples_per_epoch} in "
+                                f"pieces of {self.chunk_size}: is it the same dataset on every node?")
+            self._plan = plan
+        return self._plan.chunk_samples(g)
 
     def skip_to(self, g: int) -> None:
         """Pass over the pieces before ``g``: one call to the coordinator, and no waiting."""
@@ -251,15 +279,29 @@ class SharedStream:
         g, ref = self._pending.popleft()
         answer = self._call(ref, f"waiting for piece {g}", self._timeout + 30)
         if answer["status"] == "evicted":
-            logger.warning("trial %s: detached from %s after the lease (it held the staging budget); preparing "
-                           "its own pieces from piece %d on", self._trial, self.coordinator, g)
-            self._pending.clear()
-            self._fallback = PrivateStream(self._spec, first=g)
+            self._detach(g, ref)
             return g, None
         if answer["status"] != "ok":
             raise PrepError(f"trial {self._trial}: its data group ended or dropped it while it waited for piece {g} "
                             f"({answer['status']}: was its process ended by Tune, or the loader closed?)")
         return g, answer
+
+    def _detach(self, g: int, ref: ray.ObjectRef) -> None:
+        """Prepare this trial's own pieces from ``g`` on (the lease detached it).
+
+        The private stream's start prepares samples (its probe), so it runs where preparation may
+        (:func:`~coordinated_prep.pipeline.seeding.in_process`); if it cannot start now (the loop
+        stopped iterating), ``g`` stays the next piece, whose answer stays "evicted".
+        """
+        try:
+            fallback = in_process(lambda: PrivateStream(self._spec, first=g))
+        except BaseException:
+            self._pending.appendleft((g, ref))
+            raise
+        logger.warning("trial %s: detached from %s after the lease (it held the staging budget); preparing "
+                       "its own pieces from piece %d on", self._trial, self.coordinator, g)
+        self._pending.clear()
+        self._fallback = fallback
 
     def close(self) -> None:
         """Leave the group (idempotent); pieces only this trial still needed are freed."""

@@ -7,11 +7,14 @@ alone has no search algorithm, so the driver opens the same machinery around its
         TorchTrainer(train_fn, train_loop_config={"data": spec}, scaling_config=ScalingConfig(num_workers=2)).fit()
 
 Every Train worker in the driver's Ray job then finds the registry (as a trial of a sweep does):
-each run's ranks read disjoint shares of one stream (:mod:`coordinated_prep.pipeline.shard`), and
+each run's ranks read disjoint shares of one stream (:mod:`coordinated_prep.trial.shard`), and
 concurrent runs with equal specs share a group. Ownership: the service owns the registry, which
 owns the pools and coordinators; leaving the ``with`` block destroys them. A run that ends leaves
-its groups when its workers' processes end (the coordinators watch them): there is no Tune to say
-that it completed.
+its groups when its workers' processes end, as there is no Tune to say that it completed: each
+coordinator releases a worker's loader at once (it watches the process), and the registry, which
+asks the coordinators every few seconds and before a new group starts on a node, then takes the
+run's membership back, destroying a group left with no member; so any number of runs, one after
+another, fit a node's staging budget (``GroupRegistry``'s module docstring states the rule).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any, Mapping
 
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.pool.spec import PoolSpec
-from coordinated_prep.searcher import CoordinatedSearcher
+from coordinated_prep.tune.searcher import CoordinatedSearcher
 
 
 class PrepService:

@@ -41,7 +41,7 @@ class Batch:
             trial's epoch for a trial that started at piece 0, or unshared; -1: evaluation).
         repeats: ``torch.int64``: 0 for a sample's first delivery in the trial's epoch (fresh); a
             repeat (an extra view made before augmentation, or an echo:
-            :mod:`coordinated_prep.echo`) gets a positive label unique per sample in the epoch,
+            :mod:`coordinated_prep.trial.echo`) gets a positive label unique per sample in the epoch,
             ``view x e + copy``.
         layout: The samples' layout; ``leaves`` the collated leaves in its order.
     """
@@ -111,7 +111,7 @@ class Batcher:
         batch_size: Samples per batch; the last batch may be smaller.
         stats: Counters to add batches, copies and CPU time to.
         ready: Whether the next ``k`` pieces can be had without waiting (the stream's
-            :meth:`~coordinated_prep.streams.PieceStream.ready`); None: always.
+            :meth:`~coordinated_prep.trial.streams.PieceStream.ready`); None: always.
         left: Pieces ``pieces`` still holds, if known: once they are all taken, the last (smaller)
             batch is at hand too.
     """
@@ -207,11 +207,21 @@ def _batch(parts: list[tuple[PreparedChunk, int, int]]) -> Batch:
             leaves.append([_tensor(p.leaves[j][i], spec.dtype) for p, a, b in parts for i in range(a, b)])
         else:
             leaves.append([p.leaves[j][i] for p, a, b in parts for i in range(a, b)])
-    epochs = np.concatenate([np.full(b - a, p.epoch, dtype=np.int64) for p, a, b in parts])
-    # A piece of k views lays them view-major: rows [v*n, (v+1)*n) are view v of its n samples.
-    views = np.concatenate([np.arange(a, b, dtype=np.int64) // max(len(p) // p.views, 1) for p, a, b in parts])
+    labels = [_labels(p, a, b) for p, a, b in parts]
+    epochs, views = (np.concatenate([label[k] for label in labels]) for k in (0, 1))
     return Batch(layout, leaves, torch.from_numpy(np.concatenate([p.indices[a:b] for p, a, b in parts])),
                  torch.from_numpy(epochs), torch.from_numpy(views))
+
+
+def _labels(piece: PreparedChunk, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """(stream epochs, repeats) of rows ``[a, b)`` of ``piece``: its epoch, and each row's view (a piece of
+    k views lays them view-major: rows [v*n, (v+1)*n) are view v of its n samples). A piece put back to
+    its planned length (:class:`~coordinated_prep.trial.shard.FilledPiece`) labels each row itself."""
+    own = getattr(piece, "row_labels", None)
+    if own is not None:
+        return own[0][a:b], own[1][a:b]
+    views = np.arange(a, b, dtype=np.int64) // max(len(piece) // piece.views, 1)
+    return np.full(b - a, piece.epoch, dtype=np.int64), views
 
 
 def _tensor(array: np.ndarray, dtype: str) -> torch.Tensor:

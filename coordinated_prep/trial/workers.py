@@ -14,6 +14,10 @@ imported torch, torchvision and this module once (the process's first such loade
 more for its first piece, later ones 0.4 s), unless the spec does not pickle (a lambda in a
 transform), which keeps ``fork`` and says so in a warning.
 
+Process-global state: the workers prepare with one torch thread (the DataLoader's default, as the
+prep actors and in-process preparation do: :mod:`coordinated_prep.pipeline.seeding`), and starting
+them draws nothing from the reading process's global generators.
+
 Life cycle of a piece here: a worker prepares it (``prepare_chunk``) into a buffer it owns; torch
 copies the buffer into a shared-memory segment for the reading process, which owns the segment
 from then on; the segment is freed when the last batch viewing it is collected.
@@ -140,12 +144,16 @@ class WorkerPieces:
 
     def start(self, g: int) -> None:
         """Prepare from piece ``g`` on (drops what was prefetched before it)."""
+        import torch
         from torch.utils.data import DataLoader
 
         self.close()
+        # The workers' base seed comes from a generator of their own: by default a DataLoader draws it
+        # from torch's global generator, the trainer's (a draw taken from its loop at every start).
+        # Its value does not matter: every draw of a preparation is seeded per sample (seeding).
         loader = DataLoader(self._dataset, batch_size=None, sampler=itertools.count(g), num_workers=self._workers,
                             prefetch_factor=self._prefetch, collate_fn=_identity, persistent_workers=False,
-                            multiprocessing_context=self._context)
+                            multiprocessing_context=self._context, generator=torch.Generator())
         self._it, self._next = iter(loader), g
 
     def next(self, g: int) -> PreparedChunk:

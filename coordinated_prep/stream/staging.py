@@ -12,10 +12,11 @@ Life cycle of a piece ``g`` (the legal transitions; nothing else changes a slot)
     kept --a joiner's range holds it--> READY (the joiner waits)
     kept --evicted (reserve needs its bytes, over ``keep_bytes``) or no joiner can start on it--> released
 
-- ``reserve`` happens only while the staged bytes plus the piece fit the byte budget (or nothing
-  else is staged, so one piece larger than the budget cannot deadlock the stream), and only up to
-  ``lookahead`` pieces past the furthest piece any trial has asked for: the budget bounds memory,
-  the lookahead bounds work nobody may use (pieces prepared when the last trials leave).
+- ``reserve`` happens only while the staged bytes plus the piece's estimate fit the byte budget
+  (landed pieces at their real bytes: see *Bytes* below), or nothing else is staged (so one piece
+  larger than the budget cannot deadlock the stream), and only up to ``lookahead`` pieces past
+  the furthest piece any trial has asked for: the budget bounds memory, the lookahead bounds work
+  nobody may use (pieces prepared when the last trials leave).
 - The consumers of a piece are fixed when it is reserved: every registered trial whose range
   ``[start, end)`` holds ``g``; a trial that joins later with ``g`` in its range is added then. A
   trial that declares how many pieces it will read (its epochs) has a finite ``end``, so nothing is
@@ -40,6 +41,29 @@ Life cycle of a piece ``g`` (the legal transitions; nothing else changes a slot)
   wait for a piece nobody will prepare would otherwise count it as starving and exempt it from the
   lease.
 
+Bytes: what ``staged_bytes`` counts, and the bound.
+
+- A slot is charged its estimate while in flight (``reserve(nbytes)``) and its real bytes from
+  the moment it lands (``mark_ready(g, payload, nbytes, samples)``: the prep task measured them; a
+  failed piece holds an error, not a piece, and is charged 0). So ``staged_bytes`` is the real
+  bytes of the landed pieces plus the estimates of the pieces in flight, never a guess about a
+  piece that has landed, and ``fits`` admits a piece only while those plus its estimate fit.
+- Estimates (``estimate(samples)``): the samples times the largest bytes per sample among the
+  probe's and every piece landed so far, so a piece is under-estimated only when its samples are
+  larger on average than those of every piece before it. With ``calibrate`` (a layout with ragged
+  or object leaves, whose sizes the probe's few first samples may badly under-represent, as the
+  shortest clips of a length-sorted speech set do) no piece is reserved beside the first one
+  until a piece has landed with its real size.
+- The bound, whatever the sizes: right after a reservation the staged bytes are within the budget,
+  or one piece is staged alone. Until the next reservation they grow only when a piece in flight
+  lands larger than its estimate, by that surplus; and nothing is reserved while they exceed the
+  budget, so a surplus is paid back as pieces are fetched, never compounded. Hence after every
+  step ``staged_bytes <= max(budget, the lone piece) + the surplus of the pieces that were in
+  flight at the last reservation``: a group holds at most its budget plus its pieces in flight
+  at their real sizes (one piece when they are produced one at a time; none beyond the budget
+  while no piece outgrows the largest bytes per sample seen before it), however the real sizes
+  stray from the probe's. ``peak_bytes`` is the most it held, real bytes included.
+
 The budget bounds the bytes of the slots here (``staged_bytes``), not every byte the node's object
 store holds for the group's trials: fetched pieces the trials still map, a share that shrank below
 what is staged, and evaluation pieces come on top (the coordinator's docstring states by how much).
@@ -56,54 +80,9 @@ lease run out for anyone.
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
-
-class SlotState(enum.Enum):
-    """Where a staged piece is in its life cycle."""
-
-    RESERVED = "reserved"
-    READY = "ready"
-    FAILED = "failed"
-
-
-@dataclass
-class Slot:
-    """One staged piece: its size, state, the trials that have not fetched it, and its payload."""
-
-    g: int
-    nbytes: int
-    waiting: set[str]
-    state: SlotState = SlotState.RESERVED
-    payload: Any = None
-
-
-@dataclass
-class Consumer:
-    """A registered trial's loader: its incarnation, its range of pieces, its requests, samples served.
-
-    The token tells a consumer that re-joined under the same id (a Tune retry) from requests its
-    previous incarnation left in flight: those must not consume the new incarnation's pieces.
-    """
-
-    token: int
-    start: int  # the first piece of its first epoch
-    end: int | None = None  # None: it reads on until it leaves
-    floor: int = 0  # pieces below it are read or passed over (never below start)
-    requested: int = 0  # one past the furthest piece it has asked for
-    waits: dict[int, int] = field(default_factory=dict)  # pieces it waits for now -> outstanding requests
-    served_samples: int = 0
-
-    def covers(self, g: int) -> bool:
-        """Whether piece ``g`` is one this consumer still reads."""
-        return self.floor <= g and (self.end is None or g < self.end)
-
-    def first_needed(self, head: int) -> int | None:
-        """The first piece at or after ``head`` it still reads, or None."""
-        g = max(head, self.floor)
-        return g if self.end is None or g < self.end else None
+from coordinated_prep.stream.slots import Consumer, Slot, SlotState
 
 
 class StagingBuffer:
@@ -115,13 +94,20 @@ class StagingBuffer:
         lookahead: Most pieces reserved beyond the furthest piece requested so far.
         keep_bytes: Most bytes of prepared pieces kept for later joiners after their consumers
             left them unfetched (0: none, the default; None: up to the byte budget).
+        sample_bytes: Bytes per sample the group's probe found (all views): the first
+            :meth:`estimate`, raised by every piece that lands larger per sample.
+        calibrate: Reserve nothing beside the first piece until a piece has landed with its real
+            size (samples whose sizes the probe cannot vouch for: ragged or object leaves).
     """
 
     def __init__(self, budget_bytes: int, next_join_point: Callable[[int], int], lookahead: int = 8,
-                 keep_bytes: int | None = 0) -> None:
-        if budget_bytes < 1 or lookahead < 1:
-            raise ValueError(f"budget_bytes={budget_bytes} and lookahead={lookahead} must be positive")
+                 keep_bytes: int | None = 0, sample_bytes: int = 1, calibrate: bool = False) -> None:
+        if budget_bytes < 1 or lookahead < 1 or sample_bytes < 1:
+            raise ValueError(f"budget_bytes={budget_bytes}, lookahead={lookahead} and sample_bytes={sample_bytes} "
+                             "must be positive")
         _check_keep(keep_bytes)
+        self.sample_bytes = sample_bytes  # the largest bytes per sample seen (see estimate)
+        self.sized = not calibrate  # whether a piece has landed with its real size (or none is needed)
         self.budget_bytes = budget_bytes
         self.lookahead = lookahead
         self.keep_bytes = keep_bytes
@@ -161,7 +147,7 @@ class StagingBuffer:
         """Register ``trials`` at one start, as :meth:`join` registers one; returns their tokens and the start.
 
         The ranks of a data-parallel trial join so: each reads its share of the same epochs
-        (:mod:`coordinated_prep.pipeline.shard`), so they must start on the same piece, and every
+        (:mod:`coordinated_prep.trial.shard`), so they must start on the same piece, and every
         piece from there is kept until each rank has fetched it. ``at`` (a join point): start
         there, where the ranks on other nodes start; None when a piece between ``at`` and the head
         is no longer staged (the ranks here then prepare their own pieces). Consumers already
@@ -239,8 +225,9 @@ class StagingBuffer:
         Non-empty only while production is wanted but the budget cannot take the head piece, some
         consumer waits for a piece not staged yet, and the oldest staged piece is settled: then
         the consumers that have not fetched it, other than the waiting ones, hold the window.
+        (Waiting for the first piece's size is not the budget: nobody holds that.)
         """
-        if not self.slots or not self.wanted() or self.fits(nbytes):
+        if not self.slots or not self.wanted() or self._within_budget(nbytes):
             return set()
         starving = self.starving()
         oldest = min(self._held_slots(), key=lambda s: s.g, default=None)  # kept pieces hold nothing
@@ -282,9 +269,19 @@ class StagingBuffer:
         """Bytes of the kept pieces: prepared, nobody waits for them, staged for a later joiner."""
         return sum(s.nbytes for s in self.slots.values() if self._is_kept(s))
 
+    def estimate(self, samples: int) -> int:
+        """Bytes to reserve for a piece of ``samples`` samples: the largest bytes per sample seen."""
+        return samples * self.sample_bytes
+
     def fits(self, nbytes: int) -> bool:
-        """Whether reserving ``nbytes`` more keeps the staged bytes within the budget (kept pieces
-        do not count: ``reserve`` evicts them to make room)."""
+        """Whether reserving ``nbytes`` more keeps the staged bytes (real for landed pieces) within the
+        budget (kept pieces do not count: ``reserve`` evicts them to make room), and the first
+        piece's real size is known if it had to be (``calibrate``)."""
+        if not self.sized and any(s.state is SlotState.RESERVED for s in self.slots.values()):
+            return False  # one piece at a time until one has landed with its real size
+        return self._within_budget(nbytes)
+
+    def _within_budget(self, nbytes: int) -> bool:
         return not self._held_slots() or self.staged_bytes - self.kept_bytes + nbytes <= self.budget_bytes
 
     def reserve(self, nbytes: int) -> Slot:
@@ -307,12 +304,29 @@ class StagingBuffer:
         self._prune_kept()  # the head may have jumped over a gap: kept pieces below it are no use
         return slot
 
-    def mark_ready(self, g: int, payload: Any) -> Slot | None:
-        """Piece ``g`` is prepared; returns the slot if it is released at once (nobody waits for it)."""
+    def mark_ready(self, g: int, payload: Any, nbytes: int | None = None, samples: int = 0) -> Slot | None:
+        """Piece ``g`` is prepared, holding ``nbytes`` real bytes of ``samples`` samples; returns the
+        slot if it is released at once (nobody waits for it).
+
+        From now on the slot is charged ``nbytes``, not its estimate, and later estimates use its
+        bytes per sample if they are the largest seen. ``nbytes=None``: the caller does not measure
+        pieces; the estimate stands.
+        """
+        slot = self.slots[g]
+        if nbytes is not None and slot.state is SlotState.RESERVED:
+            self._charge(slot, nbytes)
+            if samples > 0:
+                self.sample_bytes = max(self.sample_bytes, -(-nbytes // samples))
+                self.sized = True
+        elif nbytes is None:
+            self.sized = True  # the caller vouches for its estimates
         return self._settle(g, SlotState.READY, payload)
 
     def mark_failed(self, g: int, error: BaseException) -> Slot | None:
-        """Preparing piece ``g`` failed; its consumers will receive ``error`` instead of data."""
+        """Preparing piece ``g`` failed; its consumers will receive ``error`` instead of data (charged 0)."""
+        slot = self.slots[g]
+        if slot.state is SlotState.RESERVED:
+            self._charge(slot, 0)
         return self._settle(g, SlotState.FAILED, error)
 
     # -- consuming ---------------------------------------------------------------------------
@@ -383,6 +397,12 @@ class StagingBuffer:
             self._prune_kept()  # a failed piece nobody reads leaves a gap below the head
             return released
         return slot if any(r is slot for r in self._prune_kept()) else None
+
+    def _charge(self, slot: Slot, nbytes: int) -> None:
+        """Charge ``slot`` ``nbytes`` instead of what it was charged (its estimate, while in flight)."""
+        self.staged_bytes += nbytes - slot.nbytes
+        slot.nbytes = nbytes
+        self.peak_bytes = max(self.peak_bytes, self.staged_bytes)
 
     def _release(self, g: int) -> Slot:
         slot = self.slots.pop(g)

@@ -1,6 +1,6 @@
 """The coordinator actor: one per node and data group, it stages prepared pieces for every trial.
 
-A thin asyncio shell around :class:`~coordinated_prep.staging.StagingBuffer` (who needs what) and
+A thin asyncio shell around :class:`~coordinated_prep.stream.staging.StagingBuffer` (who needs what) and
 :class:`~coordinated_prep.plan.StreamPlan` (which samples each piece holds).
 
 Ownership: the group registry owns the coordinator (it creates it when the group's first trial on
@@ -37,7 +37,9 @@ the group is under it again): at most the old share minus the new; (3) resident 
 carved out of the node's budget (``pool.eval_fraction``, 0.5), so they take budget from the groups
 rather than adding to it, plus per evaluating trial the streamed evaluation piece being read and
 ``STREAM_AHEAD`` (2) requested ahead; (4) one piece larger than the whole share, which ``reserve``
-lets through when nothing else is staged.
+lets through when nothing else is staged; (5) what the pieces in flight at the last reservation land
+larger than their estimates (pieces are charged their real bytes once they land, the prep task
+measures them; the bound is in :mod:`coordinated_prep.stream.staging`).
 
 A consumer leaves when its loader closes, when Tune reports its trial complete (the registry),
 as soon as its trial's process ends (a paused, stopped or dead trial: the coordinator watches each
@@ -55,22 +57,22 @@ import ray
 
 from coordinated_prep import metrics
 from coordinated_prep.errors import PrepError
-from coordinated_prep.plan import stream_plan
 from coordinated_prep.pipeline.probe import Probe
 from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.pipeline.sources.fingerprint import Fingerprint, index_fingerprint
 from coordinated_prep.pipeline.sources.shared_index import remember
+from coordinated_prep.plan import stream_plan
 from coordinated_prep.spec import DataSpec
-from coordinated_prep.staging import SlotState, StagingBuffer
-from coordinated_prep.watch import Process, ProcessWatch, trial_of
+from coordinated_prep.stream.producer import Producer
+from coordinated_prep.stream.staging import SlotState, StagingBuffer
+from coordinated_prep.stream.watch import Process, ProcessWatch, trial_of
 
 logger = logging.getLogger(__name__)
 
-_PRODUCER_CHECK_S = 10.0  # the producer re-checks its state at least this often (liveness)
 
 
 @ray.remote(num_cpus=0, max_concurrency=10_000)
-class Coordinator:
+class Coordinator(Producer):
     """Plans the stream of one data group on one node, feeds the node's prep pool and serves trials.
 
     Args:
@@ -99,7 +101,6 @@ class Coordinator:
             pipeline = make_pipeline(spec)
             samples, found = len(pipeline), probe(pipeline, spec.seed, [0], spec.ragged, spec.views)
         self.layout = found.layout
-        self.sample_bytes = found.sample_bytes  # all views of one sample (the probe's largest for ragged leaves)
         self.box = [ray.put(spec)]  # owned here: each prep actor fetches the spec (and its dataset) once
         self.plan = stream_plan(samples, spec.seed, spec.holdout, spec.chunk_size, spec.segments)
         node_id = ray.get_runtime_context().get_node_id()
@@ -107,7 +108,14 @@ class Coordinator:
         lookahead = spec.lookahead or max(8, 4 * n_actors)
         # Pieces left unfetched when their trials leave (a paused, exploited or stopped trial's
         # lookahead and in-flight pieces) stay staged while the budget has room, for the next joiner.
-        self.buffer = StagingBuffer(budget_bytes, self.plan.next_join_point, lookahead, keep_bytes=None)
+        # Pieces are reserved at an estimate (the largest bytes per sample seen, the probe's first) and
+        # charged their real bytes when they land. Ragged or object leaves: the probe's few samples may
+        # be the dataset's smallest (a length-sorted speech set), so the first piece is sized alone.
+        self.buffer = StagingBuffer(budget_bytes, self.plan.next_join_point, lookahead, keep_bytes=None,
+                                    sample_bytes=found.sample_bytes,
+                                    calibrate=any(leaf.kind != "dense" for leaf in found.layout.leaves))
+        self.probe_bytes = found.sample_bytes  # for the warning when the real bytes outgrow the budget
+        self.oversized = False  # warned that one piece outgrew the budget
         self.actors = actors
         self.max_in_flight = 2 * n_actors  # keep every actor busy while one result travels back
         self.in_flight = 0
@@ -308,6 +316,10 @@ class Coordinator:
         self.stats["released_dead"] += 1
         await self._notify()
 
+    async def ended(self, processes: list[Process]) -> list[bool]:
+        """Per process of this node, whether it has ended (the registry asks for its runs without Tune)."""
+        return [Process(*p).ended() for p in processes]
+
     async def set_budget(self, budget_bytes: int) -> None:
         """The group's new share of the node's staging budget (the registry split it anew)."""
         self.buffer.set_budget(budget_bytes)
@@ -346,147 +358,4 @@ class Coordinator:
         await self._notify()
         metrics.set_gauge("consumers", 0, group=self.group)  # the gauges outlive this actor in the agent
 
-    # -- producing ---------------------------------------------------------------------------
-    async def _produce(self) -> None:
-        try:
-            await self._produce_loop()
-        except Exception as e:  # a bug, not a data error: fail every waiting trial at once, loudly
-            logger.exception("%s: the producer failed", self.name)
-            self.fatal = e
-            await self._notify()
 
-    async def _produce_loop(self) -> None:
-        while True:
-            state = self._producer_state()
-            if state == "closed":
-                return
-            if state == "go":
-                self._reserve_and_submit()
-                continue
-            if state == "stalled" and self.blocked_since is None:
-                self.blocked_since = time.monotonic()  # the lease starts running
-            elif state != "stalled":
-                self._end_stall()  # not the holders' fault: nobody waits on them
-            async with self.changed:
-                # Wait for the state to change; the timeout is the lease while it runs, and
-                # otherwise a periodic liveness re-check.
-                try:
-                    await asyncio.wait_for(self.changed.wait_for(lambda now=state: self._producer_state() != now),
-                                           self._wait_s())
-                except asyncio.TimeoutError:
-                    self._enforce_lease()
-
-    def _head_bytes(self) -> int:
-        return self.plan.chunk_len(self.buffer.head) * self.sample_bytes
-
-    def _producer_state(self) -> str:
-        """``go`` (reserve the head now), ``stalled`` (the budget is full of pieces some trials have
-        not fetched while another waits: the lease runs), ``wait`` (for anything else) or ``closed``."""
-        if self.closed:
-            return "closed"
-        if self.buffer.lease_holders(self._head_bytes()):
-            return "stalled"
-        if self.in_flight < self.max_in_flight and self.buffer.wanted() and self.buffer.fits(self._head_bytes()):
-            return "go"
-        return "wait"
-
-    def _reserve_and_submit(self) -> None:
-        g = self.buffer.head
-        slot = self.buffer.reserve(self._head_bytes())
-        epoch, _ = self.plan.locate(g)
-        actor = self.actors[g % len(self.actors)]
-        timing_ref, chunk_ref = actor.prepare.options(num_returns=2).remote(
-            self.spec.group_key, self.box, epoch, self.plan.chunk_samples(g), self.layout)
-        self.in_flight += 1
-        self.tasks[g] = timing_ref
-        task = asyncio.get_running_loop().create_task(self._settle(slot.g, timing_ref, chunk_ref))
-        self.settling.add(task)
-        task.add_done_callback(self.settling.discard)
-
-    def _wait_s(self) -> float:
-        if self.blocked_since is None:
-            return _PRODUCER_CHECK_S
-        return max(0.01, self.spec.lease_s - (time.monotonic() - self.blocked_since))
-
-    def _end_stall(self) -> None:
-        if self.blocked_since is not None:
-            self.stats["stall_s"] += time.monotonic() - self.blocked_since
-            self.blocked_since = None
-
-    def _enforce_lease(self) -> None:
-        """Detach the trials holding the oldest piece once they have stalled a waiting trial for the lease."""
-        if self.blocked_since is None or time.monotonic() - self.blocked_since < self.spec.lease_s:
-            return
-        for trial in sorted(self.buffer.lease_holders(self._head_bytes())):
-            token = self.buffer.consumers[trial].token
-            self.buffer.leave(trial, token)
-            self.evicted[trial] = token
-            self.stats["evictions"] += 1
-            metrics.inc("errors", 1, group=self.group, kind="lease_detached")
-            logger.warning("group %s: trial %s held the staging budget for %.0fs while another trial waited (a "
-                           "straggler); it now prepares its own pieces", self.spec.group_key, trial, self.spec.lease_s)
-        self._end_stall()
-        self.changed.notify_all()  # we hold the condition's lock here
-
-    async def _settle(self, g: int, timing_ref: ray.ObjectRef, chunk_ref: ray.ObjectRef) -> None:
-        try:
-            timing = await timing_ref
-        except Exception as e:  # the prep task failed for good (bad sample, retries exhausted)
-            if self.closed:
-                return  # cancelled by close(): not a failure (the finally clause still counts it down)
-            if g in self.buffer.slots:
-                self.buffer.mark_failed(g, _root_cause(e))
-            self.stats["pieces_failed"] += 1
-            metrics.inc("errors", 1, group=self.group, kind="failed_piece")
-            logger.warning("group %s: piece %d failed: %s", self.spec.group_key, g, _root_cause(e))
-        else:
-            if g in self.buffer.slots:  # absent only after close()
-                self.buffer.mark_ready(g, (chunk_ref, self.plan.chunk_len(g) - len(timing.skipped)))
-            put_s = max(0.0, time.time() - timing.finished_at) if timing.finished_at else 0.0
-            samples = self.plan.chunk_len(g) - len(timing.skipped)
-            self.stats["pieces_prepared"] += 1
-            self.stats["samples_prepared"] += samples
-            metrics.inc("samples_prepared", samples, group=self.group)
-            for stage, seconds in (("fetch", timing.fetch_s), ("decode_augment", timing.transform_s), ("put", put_s)):
-                metrics.inc("prep_seconds", seconds, group=self.group, stage=stage)
-            metrics.inc("errors", len(timing.skipped), group=self.group, kind="skipped_sample")
-            for index, path, reason in timing.skipped:
-                if index not in self.skipped:  # logged once per sample, whatever the epoch
-                    self.skipped.add(index)
-                    logger.warning("group %s: skipping sample %d (%s): %s", self.spec.group_key, index, path, reason)
-            self.stats["samples_skipped"] = len(self.skipped)
-            self.stats["fetch_s"] += timing.fetch_s
-            self.stats["transform_s"] += timing.transform_s
-            self.stats["put_s"] += put_s
-            self.stats["prep_cpu_s"] += timing.cpu_s
-            self.stats["storage_reads"] += timing.storage_reads
-            self.stats["cache_hits"] += timing.cache_hits
-            self.stats["decodes"] += timing.decodes
-            self.stats["tier_hits"] += timing.tier_hits
-            by_epoch = self.stats["decodes_by_epoch"]  # stream epoch -> prefix runs (the decoded tier's effect)
-            epoch = g // self.plan.chunks_per_epoch
-            by_epoch[epoch] = by_epoch.get(epoch, 0) + timing.decodes
-        finally:
-            self.in_flight -= 1
-            self.tasks.pop(g, None)
-            await self._notify()
-
-    def _settled_or_gone(self, trial: str, token: int, g: int) -> bool:
-        if self.closed or self.fatal is not None or not self.buffer.is_current(trial, token):
-            return True
-        if self.buffer.passed(trial, g):
-            return True  # a prefetch the trial skipped past: nobody may prepare it, so it ends now
-        slot = self.buffer.slots.get(g)
-        return slot is not None and slot.state is not SlotState.RESERVED
-
-    async def _notify(self) -> None:
-        metrics.set_gauge("staged_bytes", self.buffer.staged_bytes, group=self.group)
-        metrics.set_gauge("consumers", len(self.buffer.consumers), group=self.group)
-        async with self.changed:
-            self.changed.notify_all()
-
-
-def _root_cause(error: BaseException) -> BaseException:
-    """The user-level exception inside a RayTaskError (e.g. the SampleError naming the file)."""
-    cause = getattr(error, "cause", None)
-    return cause if isinstance(cause, BaseException) else error

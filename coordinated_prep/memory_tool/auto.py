@@ -13,7 +13,7 @@ import logging
 import warnings
 from typing import Callable, Mapping
 
-from coordinated_prep.memory.configs import MemoryConfig
+from coordinated_prep.memory_tool.configs import MemoryConfig
 from coordinated_prep.memory.packing import Packing, pack
 from coordinated_prep.sweep.config import SweepConfig
 
@@ -61,7 +61,7 @@ def measure_peaks(cfg: SweepConfig) -> dict[str, int]:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from coordinated_prep.memory.run import sweep_configs
+    from coordinated_prep.memory_tool.run import sweep_configs
     from coordinated_prep.pipeline.sources import open_source
 
     configs = sweep_configs(cfg)
@@ -73,7 +73,7 @@ def measure_peaks(cfg: SweepConfig) -> dict[str, int]:
 def _peaks(configs: list[MemoryConfig], num_classes: int) -> dict[str, int]:
     import torch
 
-    from coordinated_prep.memory.run import measure_config
+    from coordinated_prep.memory_tool.run import measure_config
 
     device = torch.device("cuda")
     # No warm-up: the measured step is a trial's first, which holds the most (the budget mode profiles

@@ -5,19 +5,28 @@ dataset, the held-out fraction and the pipeline's ``size``, ``eval_resize`` and 
 the seed or the augmentation. Every trial whose spec agrees on those reads the same prepared pieces,
 whatever its data group.
 
-Life cycle of an evaluation piece (the registry keeps it, :mod:`coordinated_prep.registry`):
+Life cycle of an evaluation piece (the registry keeps it, :mod:`coordinated_prep.stream.registry`):
 
 1. The first trial that evaluates with a pipeline asks the registry for its plan. The registry cuts
-   the held-out indices into pieces (:func:`eval_pieces`), chooses how many of them stay resident
-   (:func:`resident_prefix`: the longest prefix that fits in the node's evaluation allowance) and
-   submits those to the node's prep pool at once. The registry owns the resulting objects.
-2. Every trial (the first included) gets the resident pieces' references and reads them in order;
-   each read is a zero-copy view of the object store. Resident pieces stay until the sweep ends
-   (the registry's shutdown), so later trials and epochs prepare nothing. A resident piece whose
-   preparation failed (an actor lost for good; a bad sample under ``on_error="raise"``) is not kept:
-   the registry prepares it again for the next evaluation that asks.
-3. A piece past the resident prefix is streamed: prepared on request, in order, a bounded number
-   ahead of the reader, and freed when the reading trial drops it.
+   the held-out indices into pieces (:func:`eval_pieces`) and makes a prefix of them resident: in
+   order, at most one per prep actor in flight, each while its estimate fits the node's evaluation
+   allowance (:meth:`EvalSet.admits`). The registry owns the resulting objects.
+2. A resident piece is charged its estimate while in flight and its real bytes once it lands
+   (:meth:`EvalSet.land`); then the trailing resident pieces are dropped while the charged bytes
+   exceed the allowance (:meth:`EvalSet.shed`), and more become resident while they fit, each
+   estimated at the largest bytes per sample seen (:meth:`EvalSet.estimate`). The bound: after
+   every landing the resident pieces' charged bytes (real once landed) are within the allowance,
+   whatever the real sizes (the held-out split is in index order, so a length-sorted dataset's
+   pieces grow); the node holds more only while trials still read a piece dropped since.
+3. Every trial gets the resident pieces' references and reads them in order; each read is a
+   zero-copy view of the object store. Resident pieces stay until the sweep ends (the registry's
+   shutdown), so later trials and epochs prepare nothing. A resident piece whose preparation
+   failed (an actor lost for good; a bad sample under ``on_error="raise"``) is not kept: the
+   registry prepares it again for the next evaluation that asks.
+4. A piece past the resident prefix is streamed: prepared on request, in order, a bounded number
+   ahead of the reader, and freed when the reading trial drops it; a piece that became resident
+   after the reader's plan (the next one in order, if it fits) is handed out as the resident one.
+   A dropped resident piece lives on only while the trials that were handed it read it.
 """
 
 from __future__ import annotations
@@ -56,16 +65,6 @@ def eval_pieces(held: np.ndarray, chunk_size: int) -> list[np.ndarray]:
     return [held[lo : lo + chunk_size] for lo in range(0, len(held), chunk_size)]
 
 
-def resident_prefix(piece_bytes: list[int], allowance: int) -> int:
-    """How many leading pieces fit in ``allowance`` bytes together (the rest are streamed)."""
-    total = 0
-    for i, nbytes in enumerate(piece_bytes):
-        total += nbytes
-        if total > allowance:
-            return i
-    return len(piece_bytes)
-
-
 @dataclass
 class EvalSet:
     """One evaluation pipeline's pieces on one node, and what they cost and served.
@@ -81,6 +80,9 @@ class EvalSet:
         evaluations: Evaluations served (one per ``eval_loader`` pass of a trial).
         skipped: Held-out samples left out under ``on_error="skip"``: index -> path.
         failed: Resident pieces whose preparation failed, to prepare again at the next plan.
+        real: Real bytes of each resident piece that has landed (the others are charged their estimate).
+        sample_bytes: Bytes of one prepared held-out sample: the probe's, raised to the largest real
+            bytes per sample of any landed piece.
     """
 
     key: str
@@ -94,13 +96,48 @@ class EvalSet:
     skipped: dict[int, str] = field(default_factory=dict)
     failed: set[int] = field(default_factory=set)
     layout: Any = None  # the held-out samples' Layout (probed at the start)
-    sample_bytes: int = 1  # bytes of one prepared held-out sample (probed)
+    sample_bytes: int = 1
     spec_box: list = field(default_factory=list)  # [the spec in the object store]: sent once per prep actor
+    real: dict[int, int] = field(default_factory=dict)
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes its resident pieces hold in the node's object store."""
-        return sum(len(p) for p in self.pieces[: len(self.refs)]) * self.sample_bytes
+        """Bytes its resident pieces hold in the node's object store: real once landed, else estimated."""
+        return sum(self.real.get(i, self.estimate(i)) for i in range(len(self.refs)))
+
+    def estimate(self, i: int) -> int:
+        """Bytes piece ``i`` is expected to take: its samples times the largest bytes per sample seen."""
+        return len(self.pieces[i]) * self.sample_bytes
+
+    def in_flight(self) -> int:
+        """Resident pieces being prepared (neither landed nor failed)."""
+        return sum(1 for i in range(len(self.refs)) if i not in self.real and i not in self.failed)
+
+    def admits(self, allowance: int, most_in_flight: int | None) -> bool:
+        """Whether the next piece may become resident: its estimate fits ``allowance`` beside the
+        resident pieces, and fewer than ``most_in_flight`` are in flight (None: no limit)."""
+        i = len(self.refs)
+        return (i < len(self.pieces) and self.resident_bytes + self.estimate(i) <= allowance
+                and (most_in_flight is None or self.in_flight() < most_in_flight))
+
+    def land(self, i: int, nbytes: int, samples: int) -> None:
+        """Resident piece ``i`` landed holding ``nbytes`` real bytes of ``samples`` samples: charge them."""
+        if i < len(self.refs):  # not dropped meanwhile
+            self.real[i] = nbytes
+        if samples > 0:
+            self.sample_bytes = max(self.sample_bytes, -(-nbytes // samples))
+
+    def shed(self, allowance: int) -> list[int]:
+        """Drop the trailing resident pieces while their charged bytes exceed ``allowance``; returns them
+        (they are streamed from now on)."""
+        dropped: list[int] = []
+        while self.refs and self.resident_bytes > allowance:
+            i = len(self.refs) - 1
+            self.refs.pop()
+            self.real.pop(i, None)
+            self.failed.discard(i)
+            dropped.append(i)
+        return dropped
 
     def plan(self) -> dict[str, Any]:
         """What a trial needs to read one evaluation: the resident references, how many pieces in all."""

@@ -51,7 +51,7 @@ class PrepActor:
 
         import coordinated_prep.pipeline.backends.torchvision_backend  # noqa: F401  (now, not in the first piece)
 
-        torch.set_num_threads(1)  # one actor per core: intra-op threads would only oversubscribe
+        torch.set_num_threads(1)  # one actor per core; and every preparation runs with one thread (seeding, rule 1)
         self._cache = cache
         self._tier = TierClient(tier[0], ray.get_runtime_context().get_actor_id(), tier[1]) if tier else None
         self._pipelines: dict[str, Pipeline] = {}
@@ -87,7 +87,7 @@ class PrepActor:
         else:
             reads = timing.decodes if getattr(pipeline, "prefix_key", None) is not None else len(indices)
         return timing._replace(finished_at=time.time(), cpu_s=time.process_time() - cpu, storage_reads=reads,
-                               cache_hits=hits), chunk
+                               cache_hits=hits, nbytes=piece_nbytes(chunk)), chunk
 
     def held_out(self, spec: DataSpec) -> tuple[np.ndarray, Probe]:
         """The held-out indices of ``spec``'s dataset, in index order, and their probe."""
@@ -95,12 +95,13 @@ class PrepActor:
         return holdout_split(n, spec.holdout)[1], found
 
     def prepare_eval(self, key: str, box: SpecBox, indices: np.ndarray,
-                     layout: Layout) -> tuple[tuple[tuple[int, str, str], ...], PreparedChunk]:
+                     layout: Layout) -> tuple[tuple[tuple[tuple[int, str, str], ...], int], PreparedChunk]:
         """Prepare held-out samples for evaluation (draws keyed by sample only).
 
         The same function per sample as an unshared trial's ``eval_loader``, so the bytes are equal.
-        Called with ``num_returns=2``: the samples left out under ``on_error="skip"`` (index, path,
-        reason), small, for the registry to count and log; and the piece.
+        Called with ``num_returns=2``: small, for the registry, the samples left out under
+        ``on_error="skip"`` (index, path, reason), to count and log, and the piece's real bytes
+        (:func:`piece_nbytes`), to charge a resident piece; and the piece.
 
         Raises:
             SampleError: With ``on_error="raise"``, a sample cannot be read or prepared; names the
@@ -110,7 +111,7 @@ class PrepActor:
         spec = self._specs[key]
         skipped: list[tuple[int, str, str]] = []
         chunk = eval_chunk(pipeline, layout, spec.seed, indices, spec.on_error, skipped)
-        return tuple(skipped), chunk
+        return (tuple(skipped), piece_nbytes(chunk)), chunk
 
     def _pipeline(self, key: Any, box: SpecBox) -> Pipeline:
         """The pipeline of group ``key`` (a DataSpec itself for the start's probe), built once."""
@@ -140,6 +141,18 @@ class PrepActor:
             cached = CachedSource(source, dataset, *self._cache) if self._cache is not None else None
             self._sources[dataset] = (cached or source, cached)
         return self._sources[dataset]
+
+
+def piece_nbytes(chunk: PreparedChunk) -> int:
+    """The bytes ``chunk`` holds in the object store: its samples' buffer, its indices, a ragged
+    leaf's offsets and an object leaf's characters (the buffer's two guard pages left out)."""
+    total = chunk.buffer.nbytes + chunk.indices.nbytes
+    for spec, leaf in zip(chunk.layout.leaves, chunk.leaves):
+        if spec.kind == "ragged":
+            total += 8 * (len(chunk) + 1)  # int64 offsets
+        elif spec.kind == "object":
+            total += sum(len(s) for s in leaf)
+    return total
 
 
 class ReusedBuffer:

@@ -11,6 +11,11 @@ coordinator opens a pidfd (Linux 5.3+), which becomes readable when the process 
 not a poll. Where pidfds are missing, the process is looked at once a second instead. (An earlier
 version passed the trial's actor handle and called it; receiving a handle costs the trial 1.5-3.6 s
 at join on a busy 2-core machine, as the borrower registers with the handle's owner, the driver.)
+
+Where start times are unknown (no ``/proc``, as on macOS, where a process describes itself with
+the start time ``""``), a process has ended only when its pid is in use by no process at all
+(``kill(pid, 0)``): a live process is never called ended, and a reused pid keeps a dead one
+"alive" until Tune's completion report, the registry's check of a run or the lease releases it.
 """
 
 from __future__ import annotations
@@ -33,7 +38,12 @@ class Process(NamedTuple):
     actor_id: str | None  # the Tune actor it runs, if any: one actor reused for another trial ends the first
 
     def ended(self) -> bool:
-        """Whether this process has ended (asked on its own node: pid reuse shows as another start time)."""
+        """Whether this process has ended (asked on its own node: pid reuse shows as another start time).
+
+        With no start time (none where it described itself): whether no process has its pid.
+        """
+        if not self.started:
+            return not _pid_in_use(self.pid)
         return _start_time(self.pid) != self.started
 
 
@@ -49,6 +59,19 @@ def _start_time(pid: int) -> str | None:
             return f.read().rsplit(")", 1)[1].split()[19]  # fields after the command name; 22 is the 20th
     except (OSError, IndexError):
         return None
+
+
+def _pid_in_use(pid: int) -> bool:
+    """Whether a process of this machine has pid ``pid`` (signal 0 checks, sends nothing)."""
+    if pid <= 0:
+        return False  # kill(0 or -n, 0) would ask about process groups, not this pid
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: another user's process has the pid
+        return True
+    return True
 
 
 def trial_of(consumer: str) -> str:
@@ -80,9 +103,7 @@ class ProcessWatch:
         """
         for other in [c for c in self._actors if c not in self._tasks]:
             del self._actors[other]  # their watch ended: forget them
-        if not process.started:  # no /proc here: Tune's completion report and the lease still release it
-            logger.debug("cannot watch the process of trial %s (pid %d) on this system", consumer, process.pid)
-            return []
+        # Without a start time (no /proc) the watch still runs: Process.ended then asks whether the pid is in use
         key = process.actor_id or f"pid {process.pid}/{process.started}"
         reused = [c for c, a in self._actors.items() if a == key and trial_of(c) != trial_of(consumer)]
         old = self._tasks.pop(consumer, None)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from coordinated_prep.errors import ConfigError
-from coordinated_prep.memory.configs import MemoryConfig, memory_configs
+from coordinated_prep.memory_tool.configs import MemoryConfig, memory_configs
 from coordinated_prep.memory.measure import StepBench, StepMemory
 from coordinated_prep.memory.modes import apply_memory
 from coordinated_prep.sweep.config import SweepConfig
@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 def sweep_configs(cfg: SweepConfig) -> list[MemoryConfig]:
-    """The distinct configurations of ``cfg`` (see :mod:`coordinated_prep.memory.configs`)."""
+    """The distinct configurations of ``cfg`` (see :mod:`coordinated_prep.memory_tool.configs`)."""
     from trainables import MODELS
 
     if cfg.trainable not in MODELS:
@@ -63,7 +63,7 @@ def measure_config(config: MemoryConfig, num_classes: int, device: torch.device,
 
 
 def run_memory(cfg: SweepConfig, steps: int = 3, warmup: int = 1, threads: int | None = None) -> dict[str, Any]:
-    """Measure every configuration of ``cfg``; returns the report :mod:`~coordinated_prep.memory.report` renders.
+    """Measure every configuration of ``cfg``; returns the report :mod:`~coordinated_prep.memory_tool.report` renders.
 
     On a CPU the configurations are stepped in rounds (one step of each per round), so that load from
     other processes falls on all of them alike; on CUDA one after the other, so each peak is its own.

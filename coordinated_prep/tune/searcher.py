@@ -13,7 +13,7 @@ from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.naming import NAMESPACE, registry_name
 from coordinated_prep.pool.spec import PoolSpec
-from coordinated_prep.registry import RegistryActor
+from coordinated_prep.stream.registry import RegistryActor
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +141,9 @@ class CoordinatedSearcher(SearchAlgorithm):
 
     def restore_from_dir(self, dirpath: str) -> None:
         self._ensure_registry()
+        # A registry that outlived the interrupted run (same driver, searcher not closed) still holds
+        # its completions; the restored run reruns errored trials under their ids (resume_errored).
+        ray.get(self._registry.restored.remote(), timeout=_CALL_TIMEOUT_S)
         self._inner.restore_from_dir(dirpath)
 
     # -- data groups ------------------------------------------------------------------------
@@ -157,9 +160,7 @@ class CoordinatedSearcher(SearchAlgorithm):
 
     def group_reports(self) -> dict[str, dict[str, Any]]:
         """Per data group: samples prepared and served, prep seconds, peak staged bytes, and more."""
-        if self._registry is None:
-            return {}
-        return ray.get(self._registry.reports.remote(), timeout=_CALL_TIMEOUT_S)
+        return self._ask("reports")
 
     def group_reports_ref(self) -> ray.ObjectRef | None:
         """A reference to :meth:`group_reports`' answer, without waiting for it (None before the registry exists)."""
@@ -167,15 +168,25 @@ class CoordinatedSearcher(SearchAlgorithm):
 
     def pool_reports(self) -> dict[str, dict[str, Any]]:
         """Per node: prep actors, reserved CPUs, staging budget and each live group's share of it."""
-        if self._registry is None:
-            return {}
-        return ray.get(self._registry.pools.remote(), timeout=_CALL_TIMEOUT_S)
+        return self._ask("pools")
 
     def eval_reports(self) -> dict[str, dict[str, Any]]:
         """Per evaluation pipeline: held-out samples prepared (once, when resident) against served."""
+        return self._ask("eval_reports")
+
+    def cache_reports(self) -> dict[str, dict[str, Any]]:
+        """Per node: the raw-data cache's hits (local, remote), misses, storage reads and bytes held."""
+        return self._ask("cache_reports") if self._cache is not None else {}
+
+    def decoded_reports(self) -> dict[str, dict[str, Any]]:
+        """Per node: the decoded tier's hits, misses, waits, samples and bytes kept (:mod:`coordinated_prep.tier`)."""
+        return self._ask("decoded_reports")
+
+    def _ask(self, method: str) -> dict[str, dict[str, Any]]:
+        """The answer of the registry's ``method`` (what a ``*_reports`` method reads); ``{}`` before the registry."""
         if self._registry is None:
             return {}
-        return ray.get(self._registry.eval_reports.remote(), timeout=_CALL_TIMEOUT_S)
+        return ray.get(getattr(self._registry, method).remote(), timeout=_CALL_TIMEOUT_S)
 
     def attach(self) -> bool:
         """Take over this driver's running registry, if there is one; returns whether there was.
@@ -191,18 +202,6 @@ class CoordinatedSearcher(SearchAlgorithm):
             except ValueError:
                 return False
         return True
-
-    def cache_reports(self) -> dict[str, dict[str, Any]]:
-        """Per node: the raw-data cache's hits (local, remote), misses, storage reads and bytes held."""
-        if self._registry is None or self._cache is None:
-            return {}
-        return ray.get(self._registry.cache_reports.remote(), timeout=_CALL_TIMEOUT_S)
-
-    def decoded_reports(self) -> dict[str, dict[str, Any]]:
-        """Per node: the decoded tier's hits, misses, waits, samples and bytes kept (:mod:`coordinated_prep.tier`)."""
-        if self._registry is None:
-            return {}
-        return ray.get(self._registry.decoded_reports.remote(), timeout=_CALL_TIMEOUT_S)
 
     def close(self) -> None:
         """Destroy every data group and the registry (idempotent; call after the sweep)."""

@@ -13,13 +13,14 @@ from typing import Any, Generator, Iterator, Mapping
 
 from coordinated_prep import metrics
 from coordinated_prep.context import whereabouts
-from coordinated_prep.pipeline.batching import Batch, Batcher, BatchStats, batched
-from coordinated_prep.pipeline.shard import Shard, ShardBatcher, rank_counts
-from coordinated_prep.echo import EchoCounts, EchoSpec, echoed, epoch_rng
 from coordinated_prep.errors import ConfigError
-from coordinated_prep.eval_stream import private_eval_pieces, shared_eval_pieces
 from coordinated_prep.spec import DataSpec
-from coordinated_prep.streams import PieceStream, PrivateStream, SharedStream, has_registry
+from coordinated_prep.trial.batching import Batch, Batcher, BatchStats, batched
+from coordinated_prep.trial.echo import EchoCounts, EchoSpec, echoed, epoch_rng
+from coordinated_prep.trial.eval_stream import private_eval_pieces, shared_eval_pieces
+from coordinated_prep.trial.pinning import _accelerator, pinned
+from coordinated_prep.trial.shard import Shard, ShardBatcher, filled, planned_len, rank_counts, rank_steps
+from coordinated_prep.trial.streams import PieceStream, PrivateStream, SharedStream, has_registry
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class TrainLoader:
     """Iterate once per epoch: ``for batch in loader`` yields the batches of the trial's next epoch.
 
     Each epoch holds every training sample exactly once as a fresh sample (``Batch.repeats == 0``);
-    with echo or views it also holds repeats (:mod:`coordinated_prep.echo`). The last batch may be
+    with echo or views it also holds repeats (:mod:`coordinated_prep.trial.echo`). The last batch may be
     smaller.
 
     Args:
@@ -56,12 +57,12 @@ class TrainLoader:
         batch_size: Samples per batch.
         epochs: Epochs the trial will read, or None for no limit.
         tags: Metric tags (``group``, ``trial``) for the data-wait metrics.
-        echo: How this trial echoes its data (:class:`~coordinated_prep.echo.EchoSpec`).
+        echo: How this trial echoes its data (:class:`~coordinated_prep.trial.echo.EchoSpec`).
         views: Augmented views per sample in the stream (``DataSpec.views``).
         seed: Seed of the echo buffer's draws (the data seed).
         pin_memory: Pin each batch one ahead in a background thread (see :func:`train_loader`).
         shard: This rank's share of each epoch in a data-parallel trial
-            (:mod:`coordinated_prep.pipeline.shard`); None: the whole epoch.
+            (:mod:`coordinated_prep.trial.shard`); None: the whole epoch.
     """
 
     def __init__(self, stream: PieceStream, batch_size: int, epochs: int | None = None,
@@ -134,7 +135,10 @@ class TrainLoader:
             TypeError: With ``echo="auto"`` the number varies with the stalls; use
                 ``fresh_batches_per_epoch`` to size a schedule.
         """
-        n = self.echo.batches_per_epoch(self.views * self.samples_per_epoch, self.batch_size)
+        if self.shard is not None:  # the rank's rows of the epoch's rows (samples x views), then echo
+            n = rank_steps(self._stream.samples_per_epoch, self.views, self.batch_size, self.shard, self.echo)
+        else:
+            n = self.echo.batches_per_epoch(self.views * self.samples_per_epoch, self.batch_size)
         if n is None:
             raise TypeError("len() of a train_loader with echo='auto' is not fixed (it echoes only while fresh data "
                             "is not ready); size schedules with loader.fresh_batches_per_epoch")
@@ -182,15 +186,25 @@ class TrainLoader:
         if self._stream.position < first:  # the previous epoch was cut short (break, max steps)
             self._stream.skip_to(first)  # its rest is passed over, so this epoch is again exactly one pass
         self.epoch_counts = EchoCounts()
-        pieces = (self._stream.next_piece() for _ in range(self._stream.chunks_per_epoch))
         if self.shard is None:
+            pieces = (self._stream.next_piece() for _ in range(self._stream.chunks_per_epoch))
             fresh = Batcher(pieces, self.batch_size, self.stats, self._stream.ready, self._stream.chunks_per_epoch)
-        else:  # global batches of world x batch_size, of which this rank takes its rows
-            whole = Batcher(pieces, self.batch_size * self.shard.world, self.stats, self._stream.ready,
-                            self._stream.chunks_per_epoch)
-            batches = rank_counts(self._stream.samples_per_epoch, self.batch_size, self.shard)[1]
-            fresh = ShardBatcher(whole, self.batch_size, self.shard, batches)  # type: ignore[assignment]
+        else:
+            fresh = self._rank_batches(self.shard)  # type: ignore[assignment]
+        # echo acts on the rank's batches, equal in number and size on every rank: equal steps (shard.rank_steps)
         yield from echoed(fresh, self.echo, epoch_rng(self._seed, self._stream.start, epoch))
+
+    def _rank_batches(self, shard: Shard) -> ShardBatcher:
+        """This rank's batches of the epoch: its node's pieces put back to their planned lengths (a
+        sample skipped on this node leaves a pad, not a shift), cut into global batches of
+        ``world x batch_size`` of which it keeps its rows (:mod:`coordinated_prep.trial.shard`)."""
+        s = self._stream
+        numbered = ((s.position, s.next_piece()) for _ in range(s.chunks_per_epoch))
+        pieces = filled(numbered, lambda g: planned_len(g, s.samples_per_epoch, s.chunk_size, s.chunks_per_epoch),
+                        s.chunk_samples, f"rank {shard.rank} of {shard.world} (trial {self._trial})")
+        whole = Batcher(pieces, self.batch_size * shard.world, self.stats, s.ready, s.chunks_per_epoch)
+        return ShardBatcher(whole, self.batch_size, shard, rank_counts(self.views * s.samples_per_epoch,
+                                                                       self.batch_size, shard)[1])
 
     def close(self) -> None:
         """Leave the data group now instead of when Tune reports the trial finished."""
@@ -223,21 +237,23 @@ def train_loader(
             ``lookahead`` pieces past the end are prepared and dropped when the trials leave.
         key: Config key of the DataSpec.
         prefetch: Pieces requested ahead; defaults to two batches' worth, at least two pieces.
-        echo: Data echoing for this trial (:mod:`coordinated_prep.echo`): ``1``/``"off"`` (default),
+        echo: Data echoing for this trial (:mod:`coordinated_prep.trial.echo`): ``1``/``"off"`` (default),
             ``e`` or ``"example:e"``, ``"batch:e"``, ``"auto"`` or ``"auto:c"``, or an
-            :class:`~coordinated_prep.echo.EchoSpec`. Not part of the data group: trials echoing
+            :class:`~coordinated_prep.trial.echo.EchoSpec`. Not part of the data group: trials echoing
             differently share one stream. The ready trainables read it from ``config["echo"]``.
         num_workers: Where this process prepares its own pieces (unshared, or outside Tune): worker
             processes, as a ``DataLoader``'s; 0: on the reading thread. None: 0 in a Tune trial (its
             CPUs are the trial's), else ``min(8, os.cpu_count())``. Shared trials prepare nothing.
             Forked, or started from a forkserver where Ray's gRPC threads run in this process
-            (:mod:`coordinated_prep.pipeline.workers`).
+            (:mod:`coordinated_prep.trial.workers`).
         pin_memory: Copy each batch's tensors into page-locked memory in a background thread, one
             batch ahead, so that ``.to(device, non_blocking=True)`` overlaps the next step (as a
-            ``DataLoader``'s ``pin_memory``); without an accelerator it warns and does nothing.
+            ``DataLoader``'s ``pin_memory``); pieces this process prepares itself are still prepared on
+            the loop's thread, between its own draws (:func:`pinned`). Without an accelerator it warns
+            and does nothing.
         drop_last: In a data-parallel trial, leave out the end of an epoch that does not split
             evenly over the ranks instead of padding it with repeats (``DistributedSampler``'s
-            ``drop_last``; :mod:`coordinated_prep.pipeline.shard`).
+            ``drop_last``; :mod:`coordinated_prep.trial.shard`).
 
     In a Ray Train worker (``TorchTrainer`` inside a Tune trial, or a run of Ray Train alone),
     rank ``r`` of ``k`` reads its disjoint share of each of the trial's epochs, the same number of
@@ -328,7 +344,7 @@ def eval_loader(config: Mapping[str, Any] | DataSpec, batch_size: int, *, key: s
     In a Tune trial of a :class:`~coordinated_prep.CoordinatedSearcher` sweep with
     ``coordinated=True``, the split is prepared once for the whole sweep per evaluation pipeline
     (dataset, holdout, size, eval_resize, backend) by the node's prep pool and read by every trial
-    from the object store (:mod:`coordinated_prep.eval_set`); otherwise this process prepares it.
+    from the object store (:mod:`coordinated_prep.stream.eval_set`); otherwise this process prepares it.
     The bytes are the same either way.
 
     Raises:
@@ -341,31 +357,3 @@ def eval_loader(config: Mapping[str, Any] | DataSpec, batch_size: int, *, key: s
     where = whereabouts(spec._trial or None)
     shared = spec.coordinated and where.trial is not None and (not where.train or has_registry())
     yield from batched(shared_eval_pieces(spec, where.trial) if shared else private_eval_pieces(spec), batch_size)
-
-
-def _accelerator(who: str) -> bool:
-    """Whether pinned memory helps here (CUDA is available); warns as a DataLoader does if not."""
-    import torch
-
-    if torch.cuda.is_available():
-        return True
-    warnings.warn(f"{who}: pin_memory=True, but no accelerator is found, so pinned memory is not used", stacklevel=3)
-    return False
-
-
-def pinned(batches: Iterator[Batch]) -> Generator[Batch, None, None]:
-    """``batches`` with every tensor copied into page-locked memory, one batch ahead in a thread."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def pin(batch: Batch | None) -> Batch | None:
-        if batch is None:
-            return None
-        leaves = [leaf.pin_memory() if hasattr(leaf, "pin_memory") else
-                  [x.pin_memory() if hasattr(x, "pin_memory") else x for x in leaf] for leaf in batch.leaves]
-        return Batch(batch.layout, leaves, batch.indices, batch.stream_epochs, batch.repeats)
-
-    with ThreadPoolExecutor(1, thread_name_prefix="coordprep-pin") as pool:
-        ahead = pool.submit(lambda: pin(next(batches, None)))
-        while (batch := ahead.result()) is not None:
-            ahead = pool.submit(lambda: pin(next(batches, None)))
-            yield batch

@@ -26,6 +26,12 @@ Epochs stay exact: an epoch is one pass over the fresh samples, each exactly onc
 inside the epoch, each with its own positive ``repeats`` label (view x e + copy), and the buffer is
 emptied at the epoch's end, so no sample comes more than ``e`` times in it (``views x e``).
 
+Data-parallel ranks: echo acts on each rank's own batches, which every rank has in equal number and
+size whatever its node skipped (:mod:`coordinated_prep.trial.shard`), so ``example:e`` (``ceil(e x
+rows / batch)`` steps) and ``batch:e`` (``e x batches``) give every rank the same steps
+(:func:`~coordinated_prep.trial.shard.rank_steps`); ``auto`` follows each rank's own stalls and is
+refused with ranks.
+
 Ownership: the echo buffer holds references into fresh batches (views of pieces in the object
 store): ``buffer`` rows plus a batch being cut for ``example``, ``buffer // batch_size + 2``
 batches for ``batch``, the last ``buffer`` rows for ``auto``. The pieces they lie in stay mapped
@@ -48,7 +54,7 @@ import numpy as np
 from coordinated_prep.errors import ConfigError
 
 if TYPE_CHECKING:  # the setting is parsed where torch is not loaded (a sweep's YAML, the coordinator)
-    from coordinated_prep.pipeline.batching import Batch, Batcher
+    from coordinated_prep.trial.batching import Batch, Batcher
 
 Mode = Literal["off", "example", "batch", "auto"]
 MODES: tuple[str, ...] = ("off", "example", "batch", "auto")
@@ -175,7 +181,7 @@ def echoed(fresh: Batcher, spec: EchoSpec, rng: np.random.Generator) -> Iterator
     """The batches of one epoch: ``fresh``'s batches, with echoes per ``spec``.
 
     Args:
-        fresh: The epoch's fresh batches (a :class:`~coordinated_prep.pipeline.batching.Batcher` whose
+        fresh: The epoch's fresh batches (a :class:`~coordinated_prep.trial.batching.Batcher` whose
             ``ready`` says whether the next one is at hand).
         spec: How to echo.
         rng: The epoch's generator (seeded by the loader: a trial's epoch is reproducible).
@@ -287,6 +293,6 @@ def _auto(fresh: Batcher, cap: int, buffer: int, rng: np.random.Generator) -> It
 
 def gather(entries: list[_Entry]) -> Batch:
     """One batch of the given rows, copied into memory the trial owns."""
-    from coordinated_prep.pipeline.batching import select
+    from coordinated_prep.trial.batching import select
 
     return select([(batch, row) for batch, row, _, _ in entries], [repeat for _, _, _, repeat in entries])

@@ -9,13 +9,13 @@ from typing import Iterator
 import ray
 
 from coordinated_prep.pipeline.chunk import PreparedChunk, eval_chunk
-from coordinated_prep.eval_set import STREAM_AHEAD, eval_pieces
+from coordinated_prep.stream.eval_set import STREAM_AHEAD, eval_pieces
 from coordinated_prep.plan import holdout_split, piece_size
 from coordinated_prep.readonly import protect
 from coordinated_prep.pipeline.probe import probe
 from coordinated_prep.pipeline.transforms import make_pipeline
 from coordinated_prep.spec import DataSpec
-from coordinated_prep.streams import fetch, find_registry
+from coordinated_prep.trial.streams import fetch, find_registry
 
 logger = logging.getLogger(__name__)
 
