@@ -83,7 +83,6 @@ _MOVED = {
     "coordinated_prep.searcher": "coordinated_prep.tune.searcher",
     "coordinated_prep.schedulers": "coordinated_prep.tune.schedulers",
     "coordinated_prep.service": "coordinated_prep.tune.service",
-    "coordinated_prep.timing": "coordinated_prep.trial.timing",
     "coordinated_prep.memory.auto": "coordinated_prep.memory_tool.auto",
     "coordinated_prep.memory.configs": "coordinated_prep.memory_tool.configs",
     "coordinated_prep.memory.report": "coordinated_prep.memory_tool.report",

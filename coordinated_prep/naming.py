@@ -11,6 +11,8 @@ from __future__ import annotations
 NAMESPACE = "coordinated_prep"
 #: The bound of one call from the registry to another actor that answers at once (bookkeeping, no preparation).
 CALL_TIMEOUT_S = 30.0
+#: The bound of a liveness question to an actor (is it up; have these processes ended).
+LIVENESS_TIMEOUT_S = 10.0
 
 
 def registry_name(job: str) -> str:

@@ -298,6 +298,7 @@ def test_a_loader_that_finds_no_trial_warns_once_that_sharing_is_off(small_datas
     assert sum(len(b) for b in first) == len(train_ids(spec)) == sum(len(b) for b in second)
 
 
+@pytest.mark.sweep  # starts Ray Train in a subprocess
 def test_ray_train_v1_ranks_share_too(tmp_path):
     """Train V1 runs in a process of its own (its flag is read when Ray Train is imported)."""
     import json

@@ -188,6 +188,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.sweep  # starts Ray in a subprocess
 def test_workers_start_from_a_forkserver_where_ray_left_grpc_threads(tmp_path):
     """A process that has run Ray keeps gRPC's threads after ``ray.shutdown()``; workers forked beside
     them may crash, so they start from a forkserver, and their pieces are those of the reading thread."""

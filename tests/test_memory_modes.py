@@ -151,6 +151,7 @@ def test_a_model_of_unknown_stages_is_a_config_error():
     assert apply_memory(model, "none") is model and memory_forward(model) is None
 
 
+@pytest.mark.sweep  # trains for real in each mode
 @pytest.mark.filterwarnings("ignore:memory budget")
 def test_the_trainable_trains_alike_in_each_mode():
     """``fit`` reads ``memory`` from the trial config: one epoch on builtin:shapes gives the same losses."""

@@ -7,7 +7,6 @@ gate: the order of events is fixed by the test, not by timing.
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 from typing import Any, Callable
 

@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 from ray import tune
 
 from coordinated_prep import CoordinatedSearcher, DataSpec, train_loader
@@ -61,6 +62,7 @@ def _listening_on(port: int) -> set[str]:
     return found
 
 
+@pytest.mark.sweep  # starts Ray in a subprocess
 def test_a_sweeps_own_ray_instance_exports_metrics_on_loopback_only():
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))

@@ -40,6 +40,7 @@ def test_resnet18_width_is_configurable():
     assert set(REGISTRY) == {"small_cnn", "resnet18", "cifar_cnn", "seg_unet", "audio_cnn"}
 
 
+@pytest.mark.sweep  # trains for real: tens of seconds
 def test_small_cnn_learns_builtin_shapes_well_above_chance():
     session = MemorySession()
     config = {"data": DataSpec(coordinated=False, pipeline={"size": 48}), "lr": 0.05, "batch_size": 32,
@@ -53,6 +54,7 @@ def test_small_cnn_learns_builtin_shapes_well_above_chance():
     assert all(r["copied_fraction"] == 0.0 and r["loader_cpu_ms_per_batch"] > 0 for r in reports)
 
 
+@pytest.mark.sweep  # trains for real: tens of seconds
 def test_a_resumed_trial_goes_on_from_its_checkpointed_epoch_and_schedule():
     whole = MemorySession()
     small_cnn.fit(_config(), small_cnn.build, whole)
@@ -67,6 +69,7 @@ def test_a_resumed_trial_goes_on_from_its_checkpointed_epoch_and_schedule():
         assert mine["optimizer"]["param_groups"][0]["lr"] == pytest.approx(theirs["optimizer"]["param_groups"][0]["lr"])
 
 
+@pytest.mark.sweep  # trains for real: tens of seconds
 def test_a_pbt_exploit_keeps_the_schedule_scaled_to_the_new_learning_rate():
     whole = MemorySession()
     small_cnn.fit(_config(epochs=2), small_cnn.build, whole)
@@ -87,6 +90,7 @@ def test_a_checkpoint_of_the_last_epoch_trains_nothing():
     assert again.reports == []
 
 
+@pytest.mark.sweep  # trains for real: tens of seconds
 @pytest.mark.parametrize("echo", ["example:2", "batch:2"])
 def test_echoed_steps_follow_the_schedule_of_fresh_samples_and_end_it_exactly(echo):
     plain, echoing = MemorySession(), MemorySession()

@@ -19,8 +19,8 @@ from coordinated_prep.trial.loader import resolve_spec
 from coordinated_prep.memory.modes import apply_memory
 from coordinated_prep.memory.packing import cap_gpu_memory
 from coordinated_prep.pipeline.sources import open_source
-from trainables.session import STATE_FILE, Session, TuneSession, load_state, save_state  # re-exported: their old home
-from trainables.training import Recipe, make_optimizer, on_workers, train  # make_optimizer: re-exported
+from trainables.session import STATE_FILE, Session, TuneSession, load_state, save_state  # noqa: F401  (their old home)
+from trainables.training import Recipe, make_optimizer, on_workers, train  # noqa: F401  (make_optimizer's old home)
 
 MEAN, STD = 0.5, 0.25
 

@@ -13,8 +13,8 @@ from torch import nn
 from coordinated_prep import eval_loader, train_loader
 from coordinated_prep.trial.timing import Timing
 from trainables.scores import Scores
-from trainables.session import Session, TuneSession  # TuneSession, make_optimizer: importable here, as before
-from trainables.training import Recipe, _advance, make_optimizer, on_workers, run_epoch, train
+from trainables.session import Session, TuneSession  # noqa: F401  (TuneSession, make_optimizer: importable here, as before)
+from trainables.training import Recipe, _advance, make_optimizer, on_workers, run_epoch, train  # noqa: F401
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,8 @@ from coordinated_prep.errors import (
 from coordinated_prep.stream.eval_set import EvalSet
 from coordinated_prep.stream.evals import Evals
 from coordinated_prep.stream.group_reports import Reports, _merge
-from coordinated_prep.stream.indexes import Indexes
-from coordinated_prep.naming import CALL_TIMEOUT_S, NAMESPACE
+from coordinated_prep.stream.indexes import Indexes, start_bound_s  # noqa: F401  (its old home)
+from coordinated_prep.naming import CALL_TIMEOUT_S, LIVENESS_TIMEOUT_S, NAMESPACE
 from coordinated_prep.pipeline.probe import PROBED
 from coordinated_prep.pipeline.sources.fingerprint import Fingerprint
 from coordinated_prep.plan import piece_size
@@ -68,7 +68,6 @@ from coordinated_prep.stream.watch import Process, trial_of
 
 logger = logging.getLogger(__name__)
 
-_LIVENESS_TIMEOUT_S = 10.0
 _RUN = "train:"  # the trial ids of runs of Ray Train alone (context._run_name): no Tune reports their end
 
 
@@ -396,7 +395,7 @@ RegistryActor = ray.remote(num_cpus=0, max_concurrency=1000)(GroupRegistry)
 async def _alive(actor: Any) -> bool:
     """Whether ``actor`` answers (a dead one fails at once; a busy asyncio actor still answers)."""
     try:
-        await asyncio.wait_for(actor.__ray_ready__.remote(), _LIVENESS_TIMEOUT_S)
+        await asyncio.wait_for(actor.__ray_ready__.remote(), LIVENESS_TIMEOUT_S)
         return True
     except ray.exceptions.RayActorError:
         return False

@@ -7,12 +7,12 @@ import logging
 
 import ray
 
+from coordinated_prep.naming import LIVENESS_TIMEOUT_S
 from coordinated_prep.stream.watch import trial_of
 
 logger = logging.getLogger(__name__)
 
 
-_LIVENESS_TIMEOUT_S = 10.0  # asking a coordinator whether its runs' processes ended
 _REAP_S = 10.0  # how often the registry asks whether the processes of runs without Tune have ended
 
 
@@ -27,7 +27,7 @@ class Runs:
         """Runs without Tune whose processes (on ``node``, or any) all ended leave their groups.
 
         Each group's coordinator, on its members' node, says which ended (bounded by
-        ``_LIVENESS_TIMEOUT_S``; a slow one is asked again later). A dead coordinator, or none,
+        ``LIVENESS_TIMEOUT_S``; a slow one is asked again later). A dead coordinator, or none,
         holds nothing more for its runs: they leave, and one still running joins again through
         ``group_for``.
         """
@@ -41,7 +41,7 @@ class Runs:
         keys = sorted({k for k, _ in self._runs if k in self._groups and node in (None, self._groups[k].node)})
         asked = {k: list({p for (key, _), ps in self._runs.items() if key == k for p in ps}) for k in keys}
         answers = await asyncio.gather(*(asyncio.wait_for(self._groups[k].actor.ended.remote(asked[k]),
-                                                          _LIVENESS_TIMEOUT_S) for k in keys), return_exceptions=True)
+                                                          LIVENESS_TIMEOUT_S) for k in keys), return_exceptions=True)
         for key, answer in zip(keys, answers):
             if isinstance(answer, ray.exceptions.RayActorError):
                 answer = [True] * len(asked[key])
