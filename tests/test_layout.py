@@ -100,7 +100,7 @@ def test_the_package_root_holds_only_the_shared_vocabulary_and_the_commands():
                     "errors.py", "metrics.py", "naming.py", "plan.py", "readonly.py", "spec.py"], root
 
 
-def _trainable(config):
+def trainable(config):
     loader = train_loader(config, batch_size=16, epochs=1)
     tune.report({"seen": sum(len(batch.labels) for batch in loader), "lr": config["lr"]})
 
@@ -111,7 +111,7 @@ def test_an_experiment_saved_before_the_move_restores(ray_session, tmp_path):
     searcher = state["_tune_config"].search_alg
     assert type(searcher).__module__ == "coordinated_prep.tune.searcher", type(searcher)
 
-    restored = tune.Tuner.restore(str(saved), trainable=_trainable, resume_unfinished=True, resume_errored=True)
+    restored = tune.Tuner.restore(str(saved), trainable=trainable, resume_unfinished=True, resume_errored=True)
     results = restored.get_results()
     assert len(results) == 2 and not results.errors
     assert sorted(r.metrics["lr"] for r in results) == [0.01, 0.1]
