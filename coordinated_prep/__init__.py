@@ -87,6 +87,7 @@ _MOVED = {
     "coordinated_prep.memory.configs": "coordinated_prep.memory_tool.configs",
     "coordinated_prep.memory.report": "coordinated_prep.memory_tool.report",
     "coordinated_prep.memory.run": "coordinated_prep.memory_tool.run",
+    "coordinated_prep.readonly": "coordinated_prep.pages",
 }
 
 

@@ -131,6 +131,7 @@ def record(config: dict) -> None:
     """Iterate ``epochs`` epochs; save per epoch: indices, stream epochs, digests, batch sizes, node.
 
     Optional: ``delay_s`` per batch (a slow trial's compute step), ``fault`` to inject (see _inject),
+    ``write`` (True: write into every leaf of every batch in place, after recording it),
     ``declare_epochs`` (True: the loader is told the epochs, so nothing past them is prepared),
     ``checkpoint`` (True: a checkpoint holding the epoch is reported every epoch, and a restored
     trial resumes at that epoch, declaring the epochs left),
@@ -153,6 +154,9 @@ def record(config: dict) -> None:
         parts = []
         for step, b in enumerate(loader):
             parts.append((b.indices.numpy(), b.stream_epochs.numpy(), sample_digests(b.images.numpy()), len(b)))
+            if config.get("write"):  # in place into every leaf, as a loop that normalises or mixes does
+                b.images.sub_(1)
+                b.labels[b.labels >= 0] = -1
             _inject(config, epoch, step)
             if config.get("delay_s"):
                 time.sleep(config["delay_s"])  # stands for a slow compute step, not for synchronisation

@@ -12,10 +12,8 @@ import numpy as np
 import pytest
 import ray
 from ray import tune
-from ray.tune.schedulers import PopulationBasedTraining
 
 from coordinated_prep import CoordinatedSearcher, DataSpec, PoolSpec, train_loader
-from coordinated_prep.tune.schedulers import HyperBandScheduler  # Ray's hangs at a bracket's end (see there)
 from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled
 from tests.harness import check_trial_records, sample_digests, stream_samples
 from tests.recording import Gate, Interrupt, load_records, record
@@ -98,39 +96,6 @@ def test_a_lone_trial_evaluating_longer_than_the_lease_is_not_detached(ray_sessi
     for trial, epochs in load_records(str(tmp_path)).items():
         check_trial_records(spec, epochs, 8, trial)
         assert int(epochs[-1]["private_samples"]) == 0, f"{trial} was detached"
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
-
-
-@pytest.mark.parametrize("scheduler", ["hyperband", "pbt"])
-def test_paused_trials_release_their_place_within_seconds(ray_session, small_dataset, tmp_path, scheduler):
-    baseline = plasma_objects()
-    # A small budget, and a lease far longer than the test: a paused trial that kept its place would
-    # stall its group for the whole lease at every pause.
-    spec = _spec(small_dataset, staging_bytes=3 * PIECE, lease_s=300)
-    if scheduler == "hyperband":
-        sched = HyperBandScheduler(time_attr="training_iteration", max_t=4, reduction_factor=2)
-    else:
-        sched = PopulationBasedTraining(time_attr="training_iteration", perturbation_interval=1,
-                                        hyperparam_mutations={"score": [1, 2, 3, 4, 5, 6]}, quantile_fraction=0.5,
-                                        synch=False)
-    # Six trials at once: HyperBand (max_t 4, factor 2) puts the first three in a bracket that runs
-    # them to the end and the next three in one that pauses each at iteration 2 until all three got
-    # there; PBT pauses the worst half to exploit the best.
-    searcher = CoordinatedSearcher(max_concurrent=6)
-    analysis = tune.run(tune.with_resources(record, {"cpu": 0.125}), search_alg=searcher, scheduler=sched,
-                        metric="score", mode="max", verbose=0, reuse_actors=False,
-                        config={"data": spec, "batch_size": 8, "epochs": 4, "checkpoint": True, "delay_s": 0.02,
-                                "score": tune.grid_search([1, 2, 3, 4, 5, 6]), "out": str(tmp_path)})
-    reports = searcher.group_reports()
-    searcher.close()
-    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
-    [report] = reports.values()
-    # A paused trial leaves when its loader is collected as Tune unwinds it, or when its process
-    # ends (released_dead), whichever comes first; either way it re-joins when resumed.
-    assert report["trials_joined"] > len(analysis.trials), f"no trial of the {scheduler} sweep was paused: {report}"
-    assert report["evictions"] == 0 and report["stall_s"] < 10, report
-    for trial, epochs in load_records(str(tmp_path), contiguous=scheduler != "pbt").items():
-        check_trial_records(spec, epochs, 8, trial)  # a resumed trial's epochs are exact too
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 

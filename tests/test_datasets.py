@@ -169,7 +169,7 @@ from tests.harness import batch_digests
 from tests.test_datasets import AUGMENT, images
 
 if __name__ == "__main__":
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     ray.shutdown()
     assert _grpc_threads() > 0, "ray.shutdown() left no gRPC threads: this check tests nothing"
     spec = DataSpec(dataset=images(), transform=AUGMENT, coordinated=False, holdout=0.0, chunk_size=16)

@@ -133,7 +133,7 @@ def test_a_batch_built_by_hand_is_all_fresh_and_a_piece_with_views_pickles_whole
     assert batch.repeats.tolist() == [0, 0]
     from tests.utils import image_chunk
     from coordinated_prep.pipeline.backends import make_preprocessor
-    from coordinated_prep.readonly import padded_base
+    from coordinated_prep.pages import padded_base
     from coordinated_prep.pipeline.sources import open_source
     from coordinated_prep.spec import PipelineSpec
 

@@ -7,29 +7,15 @@ and (through pytest-timeout) a bounded finish time.
 from __future__ import annotations
 
 import dataclasses
-import os
 
-import pytest
 from ray import tune
 
 from coordinated_prep import CoordinatedSearcher, DataSpec
-from tests.conftest import REPO, live_coordprep_actors, plasma_objects, plasma_objects_settled, settled
+from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled, settled
 from coordinated_prep.pipeline.sources import open_source
 from tests.harness import assert_exactly_once, check_trial_records, train_ids
 from tests.utils import make_imagefolder
 from tests.recording import load_records, pids_titled, record
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    """This module's Ray runs the dashboard (on 127.0.0.1): the faults find their victims by the state API."""
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1", object_store_memory=512 * 2**20,
-             log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO, "COORDPREP_CACHE": os.environ["COORDPREP_CACHE"]}})
-    yield ray
-    ray.shutdown()
 
 
 def _spec(dataset: str, **overrides) -> DataSpec:

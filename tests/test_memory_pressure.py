@@ -8,7 +8,7 @@ import pytest
 from ray import tune
 
 from coordinated_prep import CoordinatedSearcher, DataSpec
-from tests.conftest import REPO, live_coordprep_actors, plasma_objects, plasma_objects_settled
+from tests.conftest import REPO, live_coordprep_actors, own_ray, plasma_objects, plasma_objects_settled
 from tests.harness import check_trial_records
 from tests.recording import load_records, record
 from tests.utils import make_imagefolder
@@ -20,7 +20,8 @@ STORE = 256 * 2**20
 def small_store_ray(tmp_path_factory):
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=STORE, log_to_driver=False,
+    own_ray()  # this module's Ray is its own
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=STORE, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": REPO, "COORDPREP_CACHE": os.environ["COORDPREP_CACHE"]}})
     yield ray
     ray.shutdown()

@@ -20,7 +20,7 @@ from coordinated_prep.cache import CacheSpec
 from coordinated_prep.metrics import DEFINITIONS
 from coordinated_prep.plan import holdout_split
 from coordinated_prep.pipeline.sources import open_source
-from tests.conftest import REPO
+from tests.conftest import REPO, own_ray
 from tests.harness import stream_samples, train_ids
 from tests.recording import record
 
@@ -39,7 +39,9 @@ def ray_session():
     """This module's Ray exports metrics on a known port and reports them every second."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1", object_store_memory=512 * 2**20,
+    own_ray()  # this module's Ray is its own
+    ray.init(address="local", num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1",
+             object_store_memory=512 * 2**20,
              log_to_driver=False, _metrics_export_port=PORT, _system_config={"metrics_report_interval_ms": 1000},
              runtime_env={"env_vars": {"PYTHONPATH": REPO, "COORDPREP_CACHE": os.environ["COORDPREP_CACHE"]}})
     yield ray

@@ -23,7 +23,7 @@ from coordinated_prep.cache import CacheLayout, CacheSpec
 from coordinated_prep.cache.arena import arena_dir
 from coordinated_prep.plan import holdout_split
 from coordinated_prep.pipeline.sources import open_source
-from tests.conftest import REPO
+from tests.conftest import REPO, own_ray
 from tests.harness import check_trial_records
 from tests.recording import Gate, load_records, record, record_ranks
 from tests.utils import FileOpens
@@ -38,6 +38,7 @@ def cluster():
     from ray.cluster_utils import Cluster
 
     store = 200 * 2**20
+    own_ray()  # this module's Ray is its own
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": store,
                                                       "include_dashboard": False})
     nodes = {name: c.add_node(num_cpus=1, resources={name: 4}, object_store_memory=store) for name in WORKERS}

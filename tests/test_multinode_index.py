@@ -17,7 +17,7 @@ from ray.tune import PlacementGroupFactory
 
 from coordinated_prep import CoordinatedSearcher, DataSpec
 from coordinated_prep.pipeline.sources import shapes
-from tests.conftest import REPO, live_coordprep_actors
+from tests.conftest import REPO, live_coordprep_actors, own_ray
 from tests.recording import record
 from tests.test_shared_index import _async_actor_logs_with
 from tests.utils import make_imagefolder
@@ -35,6 +35,7 @@ def cluster(tmp_path_factory):
         make_imagefolder(root, classes=2, per_class=12, png_every=99)
         if name == "node_b":
             shutil.copy(os.path.join(root, "class_0", "img_001.jpg"), os.path.join(root, "class_0", "extra.jpg"))
+    own_ray()  # this module's Ray is its own
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     nodes = {name: c.add_node(num_cpus=1, resources={name: 4}, env_vars={"COORDPREP_CACHE": caches[name]})
              for name in WORKERS}

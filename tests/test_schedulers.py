@@ -10,7 +10,6 @@ from ray.tune.schedulers import HyperBandScheduler as RayHyperBand
 from ray.tune.schedulers import TrialScheduler
 
 from coordinated_prep.tune.schedulers import HyperBandScheduler
-from coordinated_prep.spec import DataSpec
 
 
 class _Controller:
@@ -148,55 +147,3 @@ def test_the_safety_net_waits_while_any_trial_runs():
     controller.trials = controller.trials + [other]
     scheduler.choose_trial_to_run(controller)
     assert controller.stopped == [] and first.status == Trial.PAUSED
-
-
-# -- churn under real sweeps: what is prepared for a paused or stopped trial is not wasted ----------
-
-def _churn_sweep(ray_session, dataset: str, out: str, scheduler: str) -> tuple[dict, list, DataSpec]:
-    """A small sweep under PBT (perturbation every epoch) or HyperBand; the group's report, the
-    trials and the spec. Tune pauses, exploits and resumes trials throughout: each re-join is a new
-    consumer of the group, and each pause leaves pieces prepared ahead for the trial unfetched."""
-    from ray import tune
-    from ray.tune.schedulers import PopulationBasedTraining
-
-    from coordinated_prep import CoordinatedSearcher
-    from tests.recording import record
-
-    # 21 pieces an epoch, each a join point, and a lookahead of most of an epoch: what a trial paused
-    # or stopped early leaves unfetched is most of an epoch (as in issue 22's sweep: 1,617 training
-    # samples in 13 pieces of 128, each a join point, and the default lookahead of 8).
-    spec = DataSpec(dataset=dataset, pipeline={"size": 24}, seed=1, chunk_size=8, segments=21, lookahead=16)
-    if scheduler == "pbt":
-        sched = PopulationBasedTraining(time_attr="training_iteration", perturbation_interval=1,
-                                        hyperparam_mutations={"score": [1, 2, 3, 4]}, quantile_fraction=0.25)
-        trials = tune.grid_search([1, 2, 3, 4])
-    else:
-        sched = HyperBandScheduler(time_attr="training_iteration", max_t=4, reduction_factor=2)
-        trials = tune.grid_search([1, 2, 3, 4, 5, 6])
-    # Two trials at a time (the pool takes one of the two CPUs): Tune pauses some to run others, so
-    # trials come and go all the time and overlap little.
-    searcher = CoordinatedSearcher(max_concurrent=6)
-    analysis = tune.run(tune.with_resources(record, {"cpu": 0.5}), search_alg=searcher, scheduler=sched,
-                        metric="score", mode="max", verbose=0, reuse_actors=False,
-                        config={"data": spec, "batch_size": 8, "epochs": 4, "checkpoint": True, "delay_s": 0.01,
-                                "score": trials, "out": out})
-    [report] = searcher.group_reports().values()
-    searcher.close()
-    return report, analysis.trials, spec
-
-
-@pytest.mark.parametrize("scheduler", ["pbt", "hyperband"])
-def test_churn_never_prepares_more_than_it_serves(ray_session, small_dataset, tmp_path, scheduler):
-    from tests.conftest import live_coordprep_actors
-    from tests.harness import check_trial_records
-    from tests.recording import load_records
-
-    report, trials, spec = _churn_sweep(ray_session, small_dataset, str(tmp_path), scheduler)
-    assert all(t.status == "TERMINATED" for t in trials), [t.error_file for t in trials]
-    figures = {k: report[k] for k in ("samples_prepared", "samples_served", "trials_joined", "coordinators")}
-    print(f"{scheduler}: {figures}")  # the figures, for a run with -s
-    assert report["trials_joined"] > len(trials), f"no trial of the {scheduler} sweep re-joined: {figures}"
-    assert report["samples_prepared"] <= report["samples_served"], figures
-    for trial, epochs in load_records(str(tmp_path), contiguous=scheduler != "pbt").items():
-        check_trial_records(spec, epochs, 8, trial)  # a re-joined trial starting on kept pieces reads exact epochs
-    assert live_coordprep_actors() == []

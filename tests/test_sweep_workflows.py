@@ -18,8 +18,7 @@ from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.sweep.config import load_sweep
 from coordinated_prep.sweep.runner import run_sweep
 from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled
-from tests.harness import check_trial_records
-from tests.recording import Interrupt, load_records
+from tests.recording import Interrupt
 from trainables import small_cnn
 from trainables.common import TuneSession, evaluate, fit
 
@@ -154,59 +153,4 @@ def test_a_killed_trial_retried_under_max_failures_resumes_at_its_checkpointed_e
         assert [r["epoch"] for r in reports] == [1, 2, 3], "epochs 1 and 2 were not trained again"
         assert reports[0]["pid"] == reports[1]["pid"] != reports[2]["pid"], "epoch 3 ran in the retried process"
         assert all(r["samples"] == per_epoch for r in reports)
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
-
-
-def _recorded_sweep(tmp_path, small_dataset: str, name: str, scheduler: str) -> str:
-    """Six recording trials from YAML (tests.recording:record), all at once, checkpointing every epoch."""
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(textwrap.dedent(f"""
-        name: {name}
-        storage_path: {tmp_path / "runs"}
-        trainable: tests.recording:record
-        data: {{dataset: {small_dataset}, pipeline: {{size: 32}}, chunk_size: 8, segments: 2}}
-        pool: {{actors: 1}}
-        search_space:
-          batch_size: 8
-          epochs: 4
-          checkpoint: true
-          delay_s: 0.02
-          score: {{grid: [1, 2, 3, 4, 5, 6]}}
-          out: {tmp_path / "records"}
-        max_concurrent_trials: 6
-        resources_per_trial: {{cpu: 0.125}}
-        metric: score
-        mode: max
-        scheduler: {scheduler}
-    """))
-    return str(path)
-
-
-def test_a_pbt_sweep_from_yaml_exploits_and_keeps_every_trials_epochs_exact(ray_session, small_dataset, tmp_path):
-    baseline = plasma_objects()
-    cfg = load_sweep(_recorded_sweep(tmp_path, small_dataset, "pbt", "{type: pbt, perturbation_interval: 1, "
-                                     "quantile_fraction: 0.5, hyperparam_mutations: {score: {choice: [1, 2, 3, 4, 5, 6]}}}"))
-    summary = run_sweep(cfg, verbose=0)
-    assert all(t["status"] == "TERMINATED" for t in summary["trials"]), summary["trials"]
-    with open(os.path.join(cfg.storage_path, cfg.name, "pbt_global.txt")) as f:
-        exploits = [line for line in f if line.strip()]  # Tune's PBT logs one line per exploit
-    assert len(exploits) >= 1
-    [group] = summary["groups"].values()
-    assert group["trials_joined"] > len(summary["trials"]), "PBT paused trials; they left and re-joined"
-    for trial, epochs in load_records(str(tmp_path / "records"), contiguous=False).items():
-        check_trial_records(cfg.data, epochs, 8, trial)  # an exploited trial's epochs are exact too
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
-
-
-def test_a_hyperband_sweep_from_yaml_pauses_trials_and_finishes(ray_session, small_dataset, tmp_path):
-    baseline = plasma_objects()
-    cfg = load_sweep(_recorded_sweep(tmp_path, small_dataset, "hyperband",
-                                     "{type: hyperband, max_t: 4, reduction_factor: 2}"))
-    summary = run_sweep(cfg, verbose=0)
-    assert all(t["status"] == "TERMINATED" for t in summary["trials"]), summary["trials"]
-    [group] = summary["groups"].values()
-    assert group["trials_joined"] > len(summary["trials"]), "HyperBand paused trials; they left and re-joined"
-    assert any(t["epochs"] < 4 for t in summary["trials"]), "HyperBand stopped some trials early"
-    for trial, epochs in load_records(str(tmp_path / "records")).items():
-        check_trial_records(cfg.data, epochs, 8, trial)
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline

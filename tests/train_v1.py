@@ -40,7 +40,7 @@ def main(out: str) -> None:
     from tests.utils import make_imagefolder
 
     root = make_imagefolder(os.path.join(out, "data"), classes=3, per_class=20)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_TRAIN_V2_ENABLED": "0", "PYTHONPATH": REPO}})
     spec = DataSpec(dataset=root, pipeline={"size": 24}, chunk_size=8, holdout=0.2)
     trainer = TorchTrainer(per_worker, scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.2}),

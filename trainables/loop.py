@@ -102,8 +102,8 @@ def _pair_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.M
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module, inputs: torch.Tensor,
                targets: torch.Tensor, device: torch.device) -> float:
-    """One optimisation step; returns its mean loss. ``inputs`` may be read-only shared memory:
-    ``.to`` copies it only to another device, and nothing here writes into it."""
+    """One optimisation step; returns its mean loss. ``inputs`` may be shared memory (writable,
+    copy-on-write): ``.to`` copies it only to another device."""
     outputs = model(inputs.to(device, non_blocking=True))
     loss = loss_fn(outputs, targets.to(device, non_blocking=True))
     optimizer.zero_grad(set_to_none=True)

@@ -2,11 +2,11 @@
 actors, in a private stream's workers and in evaluation.
 
 A piece stacks the samples of one :class:`~coordinated_prep.pipeline.structure.Layout` leaf by leaf
-into one buffer padded by a page on each side (:func:`~coordinated_prep.readonly.padded_empty`): a
+into one buffer padded by a page on each side (:func:`~coordinated_prep.pages.padded_empty`): a
 dense leaf as one array ``(rows, *shape)``, a ragged leaf as its samples' bytes end to end with
 their offsets and shapes; strings ride along as a list. The piece pickles that whole buffer (Ray
-stores it zero-copy), so a trial maps the piece's pages read-only without touching another object's
-bytes (:mod:`coordinated_prep.readonly`), and a batch inside one piece is a view of it.
+stores it zero-copy), so a trial holds the piece's pages copy-on-write without touching another
+object's bytes (:mod:`coordinated_prep.pages`), and a batch inside one piece is a view of it.
 
 A piece of a group with ``views`` = k > 1 (echoing before augmentation) holds k augmented views of
 each of its n samples, view-major: rows ``[v*n, (v+1)*n)`` are view ``v``, so ``indices`` repeat
@@ -24,7 +24,7 @@ import numpy as np
 from coordinated_prep.errors import SampleError, StructureError
 from coordinated_prep.pipeline.seeding import preserved
 from coordinated_prep.pipeline.structure import LeafSpec, Layout
-from coordinated_prep.readonly import padded_base, padded_empty
+from coordinated_prep.pages import guard, padded_base, padded_empty
 
 _ALIGN = 64  # each leaf's bytes start at a multiple of this: any dtype's alignment, a cache line
 
@@ -76,6 +76,14 @@ class PreparedChunk:
     def labels(self) -> np.ndarray:
         """The second leaf (the target of an ``(input, target)`` sample)."""
         return self.leaves[1]
+
+    def guarded(self) -> "PreparedChunk":
+        """This piece, its bytes copy-on-write in this process (a shared piece a trial reads:
+        :func:`coordinated_prep.pages.guard`); a piece over a private copy where they cannot be."""
+        buffer = guard(self.buffer)
+        if buffer is self.buffer:
+            return self
+        return PreparedChunk(self.layout, buffer, self._meta, self.indices, self.epoch, self.views)
 
     def __reduce__(self) -> tuple:
         found = padded_base(self.buffer)

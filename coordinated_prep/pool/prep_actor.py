@@ -17,7 +17,7 @@ from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.pipeline.structure import Layout
 from coordinated_prep.pipeline.transforms import Pipeline, make_pipeline
 from coordinated_prep.plan import holdout_split
-from coordinated_prep.readonly import padded_empty
+from coordinated_prep.pages import padded_empty
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.tier.client import TierClient
 

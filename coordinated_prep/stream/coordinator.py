@@ -16,7 +16,7 @@ Life cycle of a prepared piece ``g``:
    and returns them to the object store (two objects: timing, and the piece itself).
 3. *Staged*: when the task's timing lands, the slot holds the piece's reference (or its error).
 4. *Fetched*: each consumer's ``fetch`` hands it the nested reference (a borrow); the trial maps
-   the arrays zero-copy, read-only (``readonly.py``), hands out every batch that lies inside the
+   the arrays zero-copy, copy-on-write (``pages.py``), hands out every batch that lies inside the
    piece as a view of it and copies only batches that straddle two pieces (``trial/batching.py``).
 5. *Freed*: when the last consumer fetched it, the coordinator drops its reference; Ray frees the
    memory once the trials drop theirs too. A piece whose last consumers left, passed over it or

@@ -1,7 +1,7 @@
 """Cutting prepared pieces into a trial's batches: views of a piece where a batch lies inside one.
 
 A batch that lies inside one piece is a view of the piece's memory (for a shared piece, the
-object store's pages, mapped read-only by :mod:`coordinated_prep.readonly`); only a batch that
+object store's pages, copy-on-write in the trial by :mod:`coordinated_prep.pages`); only a batch that
 straddles two pieces is copied into memory the trial owns. With the default piece size (256
 samples, :func:`coordinated_prep.plan.piece_size`) every batch of a trial whose batch size divides
 is a view: epochs start and end at piece boundaries, so the last, smaller batch of an epoch is a
@@ -33,8 +33,8 @@ class Batch:
 
     Attributes:
         data: The collated batch. A stacked leaf is a tensor that is a view of shared memory when
-            the batch lies inside one piece: read it, never write into it (``.float()``, ``.to()``
-            and every out-of-place op are fine; ``.clone()`` to write). A ragged leaf
+            the batch lies inside one piece, writable as a ``DataLoader``'s (a write stays in this
+            trial: :mod:`coordinated_prep.pages`). A ragged leaf
             (:mod:`coordinated_prep.pipeline.structure`) is a list of per-sample tensors.
         indices: ``torch.int64`` dataset index of each sample.
         stream_epochs: ``torch.int64`` stream epoch whose draws produced each sample (equal to the
@@ -227,7 +227,7 @@ def _labels(piece: PreparedChunk, a: int, b: int) -> tuple[np.ndarray, np.ndarra
 def _tensor(array: np.ndarray, dtype: str) -> torch.Tensor:
     """A tensor sharing ``array``'s memory (bfloat16 from its int16 bits)."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # torch warns that a shared array is read-only
+        warnings.simplefilter("ignore", UserWarning)  # Ray flags the store's arrays read-only; pages.py guards them
         out = torch.from_numpy(array)
     return out.view(torch.bfloat16) if dtype == "bfloat16" else out
 

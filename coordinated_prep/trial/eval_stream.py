@@ -11,7 +11,6 @@ import ray
 from coordinated_prep.pipeline.chunk import PreparedChunk, eval_chunk
 from coordinated_prep.stream.eval_set import STREAM_AHEAD, eval_pieces
 from coordinated_prep.plan import holdout_split, piece_size
-from coordinated_prep.readonly import protect
 from coordinated_prep.pipeline.probe import probe
 from coordinated_prep.pipeline.transforms import make_pipeline
 from coordinated_prep.spec import DataSpec
@@ -50,15 +49,11 @@ def shared_eval_pieces(spec: DataSpec, trial: str) -> Iterator[PreparedChunk]:
     requested = len(resident)
     for i in range(plan["pieces"]):
         if i < len(resident):
-            yield _read_only(fetch(resident[i], trial, f"reading evaluation piece {i}", timeout))
+            yield fetch(resident[i], trial, f"reading evaluation piece {i}", timeout).guarded()
             continue
         while requested < plan["pieces"] and len(pending) < STREAM_AHEAD:  # bounded look-ahead
             pending.append(registry.eval_piece.remote(plan["key"], requested))
             requested += 1
         answer = fetch(pending.popleft(), trial, f"asking for evaluation piece {i}", timeout)
-        yield _read_only(fetch(answer["ref"], trial, f"reading evaluation piece {i}", timeout))
+        yield fetch(answer["ref"], trial, f"reading evaluation piece {i}", timeout).guarded()  # others read it too
 
-
-def _read_only(piece: PreparedChunk) -> PreparedChunk:
-    protect(piece.buffer)  # every trial of the sweep reads these bytes
-    return piece

@@ -19,7 +19,6 @@ from coordinated_prep.trial.workers import WorkerPieces
 from coordinated_prep.errors import ConfigError, PrepError
 from coordinated_prep.naming import NAMESPACE, registry_name
 from coordinated_prep.plan import StreamPlan, stream_plan
-from coordinated_prep.readonly import protect
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.context import worker_group
 from coordinated_prep.stream.watch import this_process
@@ -215,9 +214,8 @@ class SharedStream:
         g, answer = self._answer()
         if answer is None:
             return self._fallback.next_piece()  # type: ignore[union-attr]
-        piece = self._call(answer["ref"], f"reading piece {g}")
-        protect(piece.buffer)  # other trials read these bytes: this process may not write them
-        return piece
+        # Other trials read these bytes: this process writes into a copy of its own.
+        return self._call(answer["ref"], f"reading piece {g}").guarded()
 
     def chunk_samples(self, g: int) -> np.ndarray:
         """Dataset indices the plan puts in piece ``g``: the group's plan, built here once when first asked
