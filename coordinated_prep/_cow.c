@@ -61,7 +61,7 @@ static int copy_out(slot_t *s) {
          * 100 KiB). Its pages are this process's already, so they become writable where they are, and
          * a copy of the original bytes goes back into them at release (a later reader of the object in
          * this process, such as the next pass over a resident evaluation piece, reads them again). */
-        stash = mmap(NULL, s->length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        stash = mmap(NULL, s->length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
         if (stash == MAP_FAILED) return 0;
         memcpy(stash, (void *)s->start, s->length);
         if (mprotect((void *)s->start, s->length, PROT_READ | PROT_WRITE) != 0) {
@@ -72,7 +72,8 @@ static int copy_out(slot_t *s) {
         s->in_place = 1;
         return 1;
     }
-    void *scratch = mmap(NULL, s->length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    /* MAP_POPULATE: the pages are made at once, not one fault per page during the copy. */
+    void *scratch = mmap(NULL, s->length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (scratch == MAP_FAILED) {
         munmap(stash, s->length);
         return 0;

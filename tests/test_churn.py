@@ -13,9 +13,9 @@ import pytest
 import ray
 from ray import tune
 
-from coordinated_prep import CoordinatedSearcher, DataSpec, PoolSpec, train_loader
+from coordinated_prep import ConfigError, CoordinatedSearcher, DataSpec, PoolSpec, train_loader
 from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled
-from tests.harness import check_trial_records, sample_digests, stream_samples
+from tests.harness import check_trial_records, sample_digests, stream_samples, train_ids
 from tests.recording import Gate, Interrupt, load_records, record
 
 PIECE = 8 * 3 * 32 * 32  # bytes of one piece of 8 samples at 32 px
@@ -136,16 +136,24 @@ def test_several_loaders_in_one_trial_each_get_exact_epochs(ray_session, small_d
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
-def test_a_second_live_iterator_over_one_loader_is_a_clear_error(small_dataset):
-    from coordinated_prep import ConfigError
-
-    loader = train_loader(_spec(small_dataset, coordinated=False), 8, epochs=3)
+def test_a_new_iter_ends_the_live_one_and_reads_the_next_epoch_whole(small_dataset):
+    """As each ``iter()`` of a ``DataLoader`` is a new epoch (Lightning holds one iterator while it asks
+    for the next): the first iterator ends, its unread samples are passed over, and the new epoch is
+    one pass over the training split."""
+    spec = _spec(small_dataset, coordinated=False)
+    loader = train_loader(spec, 8, epochs=3)
     first = iter(loader)
-    next(first)
-    with pytest.raises(ConfigError, match="still being iterated"):
+    taken = next(first)
+    second = iter(loader)
+    with pytest.raises(StopIteration):
+        next(first)
+    epoch = list(second)
+    assert len(epoch) == len(loader)
+    assert sorted(np.concatenate([b.indices.numpy() for b in epoch])) == sorted(train_ids(spec))
+    assert int(taken.stream_epochs[0]) == 0 and all(int(e) == 1 for b in epoch for e in b.stream_epochs)
+    assert len(list(loader)) == len(loader)  # the third epoch
+    with pytest.raises(ConfigError, match="epoch 4 requested"):
         iter(loader)
-    del first  # dropped mid-epoch, like a `for` loop that breaks: the next epoch may start
-    assert len(list(loader)) == len(loader)
 
 
 def test_a_sweep_over_four_crop_sizes_costs_one_groups_processes_and_budget(ray_session, small_dataset, tmp_path):

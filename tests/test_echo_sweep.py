@@ -111,7 +111,7 @@ sweep:
   storage_path: {tmp_path}/runs
   trainable: small_cnn
   data: {{dataset: builtin:shapes, pipeline: {{size: 16}}, seed: 1}}
-  search_space: {{lr: 0.05, batch_size: 32, width: 4, epochs: 1, model_seed: {{grid: [0, 1]}}}}
+  search_space: {{lr: 0.05, batch_size: 32, width: 4, epochs: 1, model_seed: 0}}
   num_samples: 1
   resources_per_trial: {{cpu: 0.25}}
 variants:
@@ -121,8 +121,8 @@ variants:
 """)
     result = run_echo(load_echo(str(path)), str(tmp_path / "out"))
     rows = {r["variant"]: r for r in result["variants"]}
-    assert set(rows) == {"off", "twice", "views"} and set(result["targets"]) == {"0", "1"}
-    assert rows["off"]["reached"] == 2 and rows["off"]["echoed_samples"] == 0
+    assert set(rows) == {"off", "twice", "views"} and set(result["targets"]) == {"0"}
+    assert rows["off"]["reached"] == 1 and rows["off"]["echoed_samples"] == 0
     fresh = rows["off"]["fresh_samples"]
     assert rows["twice"]["fresh_samples"] == fresh == rows["views"]["fresh_samples"]
     assert rows["twice"]["echoed_samples"] == fresh and rows["views"]["echoed_samples"] == fresh

@@ -158,3 +158,14 @@ def test_pinning_passes_a_preparation_error_to_the_loop_and_an_epoch_cut_short_e
     for _ in loader:
         break  # the pinning thread may be waiting for the loop to prepare a piece: it must not hang
     assert sorted(np.concatenate([b.indices.numpy() for b in loader]).tolist()) == list(range(48))
+
+
+def test_eval_loader_is_a_full_pass_at_every_iter_and_knows_its_length(small_dataset):
+    spec = DataSpec(dataset=small_dataset, pipeline={"size": 16}, coordinated=False, holdout=0.2)
+    loader = eval_loader(spec, batch_size=7)
+    first = [b.indices.numpy() for b in loader]
+    second = [b.indices.numpy() for b in loader]  # Lightning iterates validation data every epoch
+    assert len(first) == len(second) == len(loader) > 1
+    assert all(np.array_equal(a, b) for a, b in zip(first, second))
+    with pytest.raises(ConfigError, match="batch_size=0"):
+        eval_loader(spec, batch_size=0)  # at the call, not at the first batch

@@ -52,3 +52,27 @@ def test_a_relative_dataset_path_is_made_absolute_and_groups_with_the_absolute_o
 def test_keys_that_moved_to_the_node_pool_say_where(key, moved):
     with pytest.raises(ConfigError, match=rf"data.{key} belongs to the node's prep pool now.*{moved}"):
         DataSpec.from_mapping({key: 2})
+
+
+class _HoldsAnOpenFile:
+    """A map-style dataset that opened its file in ``__init__`` (it must open it lazily)."""
+
+    def __init__(self, path: str) -> None:
+        self.file = open(path, "rb")
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        return self.file.read(1), 0
+
+
+def test_a_dataset_holding_an_open_file_is_refused_naming_the_file(tmp_path):
+    path = tmp_path / "labels.bin"
+    path.write_bytes(b"\0" * 8)
+    dataset = _HoldsAnOpenFile(str(path))
+    try:
+        with pytest.raises(ConfigError, match=f"open file.*{path.name}.*created lazily"):
+            DataSpec(dataset=dataset)  # cloudpickle would send a copy of the file's bytes instead
+    finally:
+        dataset.file.close()

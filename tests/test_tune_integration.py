@@ -97,13 +97,13 @@ def test_tuner_groups_by_spec_and_unshared_trials_match(ray_session, small_datas
 def test_asha_stops_trials_early_without_leaks(ray_session, small_dataset, tmp_path):
     baseline = plasma_objects()
     spec = _spec(small_dataset)
-    searcher = CoordinatedSearcher(max_concurrent=3)
+    searcher = CoordinatedSearcher(max_concurrent=2)
     epochs = 4
     analysis = tune.run(
         tune.with_resources(record, {"cpu": 0.25}), config={"data": spec, "batch_size": 16, "epochs": epochs, "out": str(tmp_path),
                         # Best first: by the time a worse trial reports a rung, better ones already have,
                         # so ASHA's cutoff stops it (in increasing order it would stop none).
-                        "score": tune.grid_search([6, 5, 4, 3, 2, 1])},
+                        "score": tune.grid_search([4, 3, 2, 1])},
         search_alg=searcher, verbose=0, metric="score", mode="max",
         scheduler=ASHAScheduler(max_t=epochs, grace_period=1, reduction_factor=2),
     )

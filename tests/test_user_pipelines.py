@@ -24,6 +24,7 @@ from coordinated_prep.pipeline.transforms import make_pipeline
 from coordinated_prep.plan import holdout_split
 from tests.conftest import live_coordprep_actors
 from tests.harness import assert_exactly_once, batch_digests, stream_samples
+from tests.test_datasets import OwnGenerator
 
 EPOCHS = 2
 
@@ -97,22 +98,34 @@ def _reference_eval(spec: DataSpec) -> tuple[np.ndarray, np.ndarray]:
     return batch.indices.numpy(), batch_digests(batch)
 
 
-@pytest.mark.parametrize("name", list(PIPELINES))
-def test_user_pipelines_share_exact_epochs_with_the_unshared_bytes(ray_session, tmp_path, name):
-    spec = _spec(name)
+@pytest.fixture(scope="module")
+def pipelines_sweep(ray_session, tmp_path_factory):
+    """One sweep of every user pipeline, two trials each (batch sizes 8 and 12): four data groups."""
+    out = str(tmp_path_factory.mktemp("pipelines"))
+    specs = {name: _spec(name) for name in PIPELINES}
     searcher = CoordinatedSearcher(pool=PoolSpec(actors=2))
     analysis = tune.run(tune.with_resources(record_any, {"cpu": 0.25}),
-                        config={"data": spec, "batch_size": tune.grid_search([8, 12]), "out": str(tmp_path)},
-                        search_alg=searcher, verbose=0)
-    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
-    [report] = searcher.group_reports().values()
+                        config={"data": tune.grid_search(list(specs.values())), "batch_size": tune.grid_search([8, 12]),
+                                "out": out}, search_alg=searcher, verbose=0)
+    reports = searcher.group_reports()
     searcher.close()
+    return specs, analysis, reports, out, live_coordprep_actors()
+
+
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_user_pipelines_share_exact_epochs_with_the_unshared_bytes(pipelines_sweep, name):
+    specs, analysis, reports, out_dir, left = pipelines_sweep
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    spec = specs[name]
+    report = reports[spec.group_key]
+    trials = [t for t in analysis.trials if t.config["data"].group_key == spec.group_key]
+    assert len(trials) == 2
     pipeline = make_pipeline(spec)
     train = train_indices(len(pipeline), spec.holdout)
     want_eval = _reference_eval(spec)
     served = 0
-    for trial in analysis.trials:
-        out = os.path.join(str(tmp_path), trial.trial_id)
+    for trial in trials:
+        out = os.path.join(out_dir, trial.trial_id)
         epochs = [np.load(os.path.join(out, f"epoch{e}.npz")) for e in range(EPOCHS)]
         assert_exactly_once([e["arr_0"] for e in epochs], train, f"{name} {trial.trial_id}")
         for e in epochs:
@@ -128,29 +141,40 @@ def test_user_pipelines_share_exact_epochs_with_the_unshared_bytes(ray_session, 
     assert report["samples_prepared"] == stream_samples(report["starts"].values(), EPOCHS, len(train),
                                                         spec.chunk_size), report
     assert report["prep_actors"] == 2 and report["pieces_prepared"] >= 2, report
-    assert live_coordprep_actors() == []
+    assert left == []
 
 
-def _failed_trial_error(spec: DataSpec, tmp_path) -> str:
-    """The error file of the one trial of a sweep over ``spec`` that must fail."""
+FAILING = {
+    # A transform that draws from its own generator: the seed cannot reach it.
+    "unseedable": _spec("cifar_v2", transform=v2.Compose([v2.ToImage(), OwnGenerator()])),
+    # A piece of 16 float 32 px is ~196 kB (another seed: a group of its own).
+    "too_big": _spec("cifar_v2", staging_bytes=4096, seed=4),
+}
+
+
+@pytest.fixture(scope="module")
+def failed_trials(ray_session, tmp_path_factory):
+    """The error file's text of each trial of one sweep whose every trial must fail at its start."""
     searcher = CoordinatedSearcher()
     analysis = tune.run(tune.with_resources(record_any, {"cpu": 0.25}),
-                        config={"data": spec, "batch_size": 8, "out": str(tmp_path)}, search_alg=searcher,
+                        config={"data": tune.grid_search(list(FAILING.values())), "batch_size": 8,
+                                "out": str(tmp_path_factory.mktemp("failing"))}, search_alg=searcher,
                         verbose=0, raise_on_failed_trial=False)
     searcher.close()
-    [trial] = analysis.trials
-    assert trial.status == "ERROR"
-    with open(trial.error_file) as f:
-        return f.read()
+    texts = {}
+    for trial in analysis.trials:
+        assert trial.status == "ERROR"
+        with open(trial.error_file) as f:
+            texts["too_big" if trial.config["data"].staging_bytes == 4096 else "unseedable"] = f.read()
+    assert sorted(texts) == sorted(FAILING)
+    return texts
 
 
-def test_a_transform_that_cannot_be_seeded_fails_the_trials_start_with_the_reason(ray_session, tmp_path):
-    from tests.test_datasets import OwnGenerator
-
-    text = _failed_trial_error(_spec("cifar_v2", transform=v2.Compose([v2.ToImage(), OwnGenerator()])), tmp_path)
+def test_a_transform_that_cannot_be_seeded_fails_the_trials_start_with_the_reason(failed_trials):
+    text = failed_trials["unseedable"]
     assert "other values when prepared twice from the same seed" in text, text[-2000:]
 
 
-def test_a_sample_too_big_for_the_staging_budget_is_refused_naming_the_fix(ray_session, tmp_path):
-    text = _failed_trial_error(_spec("cifar_v2", staging_bytes=4096), tmp_path)  # a piece of 16 float 32 px: ~196 kB
+def test_a_sample_too_big_for_the_staging_budget_is_refused_naming_the_fix(failed_trials):
+    text = failed_trials["too_big"]
     assert "more than the group's staging budget" in text and "lower data.chunk_size" in text, text[-2000:]

@@ -126,16 +126,34 @@ def object_key(value: Any, where: str) -> str | None:
         return value
     if isinstance(value, Factory):
         return value.key
-    from ray import cloudpickle  # as Ray ships it
-
     try:
-        blob = cloudpickle.dumps(value)
+        blob = _pickled(value)
     except Exception as e:
         raise ConfigError(
             f"{where}={_short(value)} cannot be pickled ({type(e).__name__}: {e}), so it can neither be keyed nor "
             "sent to the prep actors; open files, locks and generators inside it must be created lazily (in "
             "__getitem__), or name it by import path: Factory('pkg.mod:make', args)") from None
     return f"{type(value).__qualname__}:{hashlib.sha256(blob).hexdigest()[:16]}"
+
+
+def _pickled(value: Any) -> bytes:
+    """``value`` pickled as Ray's cloudpickle pickles it, refusing an open file anywhere inside it.
+
+    cloudpickle pickles a file open for reading by reading its contents, so a dataset holding one
+    would reach every prep actor as a copy of the file's bytes at that moment, not as a file."""
+    import io
+
+    from ray import cloudpickle  # as Ray ships it
+
+    class _Refusing(cloudpickle.CloudPickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, io.IOBase):
+                raise TypeError(f"it holds an open file ({getattr(obj, 'name', type(obj).__name__)!r})")
+            return super().reducer_override(obj)
+
+    out = io.BytesIO()
+    _Refusing(out, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(value)
+    return out.getvalue()
 
 
 def check_map_style(dataset: Any, where: str) -> None:

@@ -14,6 +14,8 @@ from typing import Any, Generator, Iterator, Mapping
 from coordinated_prep import metrics
 from coordinated_prep.context import whereabouts
 from coordinated_prep.errors import ConfigError
+from coordinated_prep.pipeline.transforms import make_pipeline
+from coordinated_prep.plan import holdout_split
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.trial.batching import Batch, Batcher, BatchStats, batched
 from coordinated_prep.trial.echo import EchoCounts, EchoSpec, echoed, epoch_rng
@@ -145,18 +147,19 @@ class TrainLoader:
         return n
 
     def __iter__(self) -> Iterator[Batch]:
-        """The batches of the trial's next epoch.
+        """The batches of the trial's next epoch, as each ``iter()`` of a ``DataLoader`` is a new epoch.
+
+        A new ``iter()`` while the previous epoch's iterator is still live (Lightning holds one while
+        it asks for the next; a loop that broke out early) ends that iterator: its next ``next()``
+        raises ``StopIteration``. The samples it had not yielded are passed over, as a ``for`` loop
+        that breaks passes them over: the new epoch is again exactly one pass over the training split.
 
         Raises:
-            ConfigError: Past the declared epochs, or while another iterator over this loader is
-                still live (two would split one epoch's samples between them).
+            ConfigError: Past the declared epochs.
         """
         live = self._live() if self._live is not None else None
         if live is not None and live.gi_frame is not None:  # started or not, but neither finished nor closed
-            raise ConfigError(
-                f"train_loader: epoch {self.epoch} of this loader is still being iterated; a second live iterator "
-                "would take part of its samples. Finish or close() the first (a `for` loop that breaks closes it), "
-                "or create a second train_loader for a second stream")
+            live.close()
         if self.epochs is not None and self.epoch >= self.epochs:
             raise ConfigError(f"train_loader: epoch {self.epoch + 1} requested, but the loader was created with "
                               f"epochs={self.epochs}; raise epochs or leave it unset")
@@ -338,8 +341,33 @@ def _warn_unshared(why: str) -> None:
                   "itself (the same bytes a shared trial starting at piece 0 reads)", stacklevel=3)
 
 
-def eval_loader(config: Mapping[str, Any] | DataSpec, batch_size: int, *, key: str = "data") -> Iterator[Batch]:
-    """Batches of the held-out split in index order, resized and centre-cropped (``stream_epochs`` -1).
+class EvalLoader:
+    """The held-out split in batches, one full pass per ``iter()``, like a ``DataLoader`` over it
+    (Lightning iterates validation data every epoch). ``len()`` is the number of batches of a pass."""
+
+    def __init__(self, spec: DataSpec, batch_size: int) -> None:
+        self.spec, self.batch_size = spec, batch_size
+        self._batches: int | None = None
+
+    def __iter__(self) -> Iterator[Batch]:
+        spec = self.spec
+        where = whereabouts(spec._trial or None)
+        shared = spec.coordinated and where.trial is not None and (not where.train or has_registry())
+        return batched(shared_eval_pieces(spec, where.trial) if shared else private_eval_pieces(spec), self.batch_size)
+
+    def __len__(self) -> int:
+        if self._batches is None:
+            held = len(holdout_split(len(make_pipeline(self.spec)), self.spec.holdout)[1])
+            self._batches = math.ceil(held / self.batch_size)
+        return self._batches
+
+    def __bool__(self) -> bool:  # ``if loader:`` must not open the dataset to count
+        return True
+
+
+def eval_loader(config: Mapping[str, Any] | DataSpec, batch_size: int, *, key: str = "data") -> EvalLoader:
+    """Batches of the held-out split in index order, resized and centre-cropped (``stream_epochs`` -1);
+    each ``iter()`` is a full pass.
 
     In a Tune trial of a :class:`~coordinated_prep.CoordinatedSearcher` sweep with
     ``coordinated=True``, the split is prepared once for the whole sweep per evaluation pipeline
@@ -348,12 +376,9 @@ def eval_loader(config: Mapping[str, Any] | DataSpec, batch_size: int, *, key: s
     The bytes are the same either way.
 
     Raises:
-        ConfigError: Bad batch size or no DataSpec in the config.
-        PrepError: A held-out sample cannot be prepared (names the trial and the file).
+        ConfigError: Bad batch size or no DataSpec in the config (at once).
+        PrepError: A held-out sample cannot be prepared (names the trial and the file), while iterating.
     """
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ConfigError(f"eval_loader: batch_size={batch_size!r} must be a positive integer")
-    spec = resolve_spec(config, key)
-    where = whereabouts(spec._trial or None)
-    shared = spec.coordinated and where.trial is not None and (not where.train or has_registry())
-    yield from batched(shared_eval_pieces(spec, where.trial) if shared else private_eval_pieces(spec), batch_size)
+    return EvalLoader(resolve_spec(config, key), batch_size)
