@@ -36,7 +36,10 @@ Ownership: the echo buffer holds references into fresh batches (views of pieces 
 store): ``buffer`` rows plus a batch being cut for ``example``, ``buffer // batch_size + 2``
 batches for ``batch``, the last ``buffer`` rows for ``auto``. The pieces they lie in stay mapped
 in the trial after the staging buffer has released them (at most ``ceil(buffer / piece) + 2``);
-an echoed batch is gathered into memory the trial owns. Everything here
+an echoed batch is gathered into memory the trial owns. A repeat is gathered from the fresh batch as
+the trial holds it then: a loop that writes into its fresh batches in place (which it may:
+:mod:`coordinated_prep.pages`) repeats what it wrote, so with echo on, write out of place or into a
+copy. Everything here
 is a pure function of the fresh batches, their readiness and a seeded generator: it is tested
 without Ray.
 """
