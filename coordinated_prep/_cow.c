@@ -28,6 +28,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
+#include <errno.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -99,31 +100,49 @@ static void chain(int sig, siginfo_t *info, void *context) {
     }
 }
 
+/* The first write into `s` (whose state this thread moved to COPYING): PRIVATE, or SHARED again. */
+static int make_private(slot_t *s) {
+    int ok = copy_out(s);
+    atomic_store(&s->state, ok ? PRIVATE : SHARED);
+    if (ok) atomic_fetch_add(&copies, 1);
+    return ok;
+}
+
 static void on_fault(int sig, siginfo_t *info, void *context) {
+    int saved = errno; /* the interrupted code's errno survives the calls made here */
     uintptr_t addr = (uintptr_t)info->si_addr;
     if (info->si_code == SEGV_ACCERR) {
         for (int i = 0; i < SLOTS; i++) {
             slot_t *s = &slots[i];
+            /* start and length are read unsynchronised: a slot being refilled may show a torn range,
+             * which the check after the compare-and-swap (or the next slot) sorts out. */
             if (atomic_load(&s->state) < SHARED || addr < s->start || addr - s->start >= s->length) continue;
             int expected = SHARED;
             if (atomic_compare_exchange_strong(&s->state, &expected, COPYING)) {
-                int ok = copy_out(s);
-                atomic_store(&s->state, ok ? PRIVATE : SHARED);
-                if (ok) {
-                    atomic_fetch_add(&copies, 1);
+                if (addr < s->start || addr - s->start >= s->length) { /* refilled meanwhile: not ours */
+                    atomic_store(&s->state, SHARED);
+                    continue;
+                }
+                if (make_private(s)) {
+                    errno = saved;
                     return;
                 }
                 break; /* no memory for a copy: the write fails as it would without us */
             }
             while (atomic_load(&s->state) == COPYING) sched_yield();
-            if (atomic_load(&s->state) == PRIVATE) return;
-            break;
+            if (atomic_load(&s->state) == PRIVATE && addr >= s->start && addr - s->start < s->length) {
+                errno = saved;
+                return;
+            }
         }
     }
+    errno = saved;
     chain(sig, info, context);
 }
 
-/* Ours on top of SIGSEGV; a handler installed after ours (faulthandler.enable()) is chained below it. */
+/* Ours on top of SIGSEGV, checked at every hold: a handler installed after ours (faulthandler.enable())
+ * is put below ours at the next hold. Until then it sees a first write first and ends the process, so
+ * crash handlers belong before the first piece (Ray's worker enables faulthandler at its start). */
 static int ensure_handler(void) {
     struct sigaction now;
     if (sigaction(SIGSEGV, NULL, &now) != 0) return 0;
@@ -145,21 +164,17 @@ static slot_t *find(uintptr_t start, size_t length) {
     return NULL;
 }
 
-/* hold(start, length) -> 0: held, its pages copy-on-write here until release(start, length).
- * Otherwise not held by this call, and the address of the piece's original bytes to copy from: the
- * piece is held already (a second reader of one object in this process: its writes must not reach
- * the first one's views, nor theirs its), or it could not be held (no slot left, mprotect refused). */
+/* hold(start, length) -> 0: held, its pages copy-on-write here until release(start, length);
+ * 1: held already in this process (a second reader of one object: its writes must not reach the first
+ * one's views, nor theirs its): copy its original bytes with original(); 2: it could not be held (no
+ * slot left, mprotect refused) and nobody here writes into it: copy it as it is. */
 static PyObject *hold(PyObject *self, PyObject *args) {
     unsigned long long start, length;
     if (!PyArg_ParseTuple(args, "KK", &start, &length)) return NULL;
-    uintptr_t original = (uintptr_t)start;
+    int result = 2;
     pthread_mutex_lock(&table);
-    slot_t *s = find(start, length);
-    if (s != NULL) {
-        if (atomic_load(&s->state) != SHARED) {
-            while (atomic_load(&s->state) == COPYING) sched_yield();
-            original = (uintptr_t)s->stash;
-        }
+    if (find(start, length) != NULL) {
+        result = 1;
     } else if (ensure_handler()) {
         for (int i = 0; i < SLOTS; i++) {
             int expected = FREE;
@@ -172,12 +187,41 @@ static PyObject *hold(PyObject *self, PyObject *args) {
                 break;
             }
             atomic_store(&slots[i].state, SHARED);
-            original = 0;
+            result = 0;
             break;
         }
     }
     pthread_mutex_unlock(&table);
-    return PyLong_FromUnsignedLongLong(original);
+    return PyLong_FromLong(result);
+}
+
+/* original(start, length, offset, out) -> True: `out` holds the held piece's original bytes from
+ * `offset` on. The first reader's pages are made private first (if they were not), so that no write
+ * of its threads, which run without the GIL, can reach the bytes copied here; the copy is made under
+ * `table`, so no release moves the stash meanwhile. False: the piece is not held (any more). */
+static PyObject *original(PyObject *self, PyObject *args) {
+    unsigned long long start, length, offset;
+    Py_buffer out;
+    if (!PyArg_ParseTuple(args, "KKKw*", &start, &length, &offset, &out)) return NULL;
+    int ok = 0;
+    pthread_mutex_lock(&table);
+    slot_t *s = find(start, length);
+    if (s != NULL && offset + (unsigned long long)out.len <= length) {
+        int expected = SHARED;
+        while (!atomic_compare_exchange_strong(&s->state, &expected, COPYING)) {
+            if (expected == PRIVATE) break;
+            expected = SHARED; /* COPYING: a fault handler is copying it now */
+            sched_yield();
+        }
+        if (expected == PRIVATE || make_private(s)) {
+            memcpy(out.buf, (char *)s->stash + offset, (size_t)out.len);
+            ok = 1;
+        }
+    }
+    pthread_mutex_unlock(&table);
+    PyBuffer_Release(&out);
+    if (!ok && s != NULL) return PyErr_NoMemory(); /* held, but no memory to set its original bytes apart */
+    return PyBool_FromLong(ok);
 }
 
 /* release(start, length) -> False if the pages could not be given back as Ray left them. */
@@ -188,16 +232,19 @@ static PyObject *release(PyObject *self, PyObject *args) {
     pthread_mutex_lock(&table);
     slot_t *s = find(start, length);
     if (s != NULL) {
+        while (atomic_load(&s->state) == COPYING) sched_yield();
         int state = atomic_load(&s->state);
         if (state == PRIVATE && !s->in_place &&
-            mremap(s->stash, length, length, MREMAP_MAYMOVE | MREMAP_FIXED, (void *)start) == MAP_FAILED)
-            ok = 0; /* the store's pages back at their addresses (the private copy goes with the move) */
-        if (mprotect((void *)start, length, PROT_READ | PROT_WRITE) != 0) ok = 0;
-        if (state == PRIVATE && s->in_place) {
-            memcpy((void *)start, s->stash, length); /* the object's bytes as Ray gave them */
-            munmap(s->stash, length);
+            mremap(s->stash, length, length, MREMAP_MAYMOVE | MREMAP_FIXED, (void *)start) == MAP_FAILED) {
+            ok = 0; /* the slot stays held: better a leak than this process reading its copy as Ray's bytes */
+        } else {
+            if (mprotect((void *)start, length, PROT_READ | PROT_WRITE) != 0) ok = 0;
+            if (state == PRIVATE && s->in_place) {
+                memcpy((void *)start, s->stash, length); /* the object's bytes as Ray gave them */
+                munmap(s->stash, length);
+            }
+            atomic_store(&s->state, FREE);
         }
-        atomic_store(&s->state, FREE);
     }
     pthread_mutex_unlock(&table);
     return PyBool_FromLong(ok);
@@ -212,7 +259,8 @@ static PyObject *held(PyObject *self, PyObject *noargs) {
 static PyObject *copied(PyObject *self, PyObject *noargs) { return PyLong_FromLong(atomic_load(&copies)); }
 
 static PyMethodDef methods[] = {
-    {"hold", hold, METH_VARARGS, "Hold a piece's pages copy-on-write; 0, or where to copy its bytes from."},
+    {"hold", hold, METH_VARARGS, "Hold a piece's pages copy-on-write: 0; 1: held already; 2: cannot."},
+    {"original", original, METH_VARARGS, "Copy a held piece's original bytes into a writable buffer."},
     {"release", release, METH_VARARGS, "Give a held piece's pages back to the object store as they were."},
     {"held", held, METH_NOARGS, "Pieces held now."},
     {"copied", copied, METH_NOARGS, "Pieces this process copied on a first write."},

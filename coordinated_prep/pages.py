@@ -34,7 +34,6 @@ and isolated, at the cost of one copy per piece (a warning says so once per proc
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import warnings
@@ -82,13 +81,19 @@ def guard(buffer: np.ndarray) -> np.ndarray:
     length = -(-(address + buffer.nbytes) // PAGE) * PAGE - start
     if _cow is None:
         return _copied(buffer, "coordinated_prep._cow was not built (reinstall where a C compiler is present)")
-    original = _cow.hold(start, length)
-    if original == 0:
-        weakref.finalize(base, _release, start, length)  # runs before the buffer goes back to Ray
-        return buffer
-    # Held already in this process (or no slot left): a private copy of the bytes as prepared.
-    raw = (ctypes.c_uint8 * buffer.nbytes).from_address(original + address - start)
-    return np.frombuffer(raw, dtype=np.uint8).copy()
+    while True:
+        status = _cow.hold(start, length)
+        if status == 0:
+            # Runs before the buffer goes back to Ray; not at exit, where a thread may still write.
+            weakref.finalize(base, _release, start, length).atexit = False
+            return buffer
+        if status == 2:  # no slot left: nobody in this process writes into it, so a copy as it is
+            return _copied(buffer, "8,192 pieces are held in this process")
+        # Held already here: the bytes as prepared, copied away from the first reader's writes.
+        out = np.empty(buffer.nbytes, dtype=np.uint8)
+        if _cow.original(start, length, address - start, out):
+            return out
+        # released between the two calls: hold it now
 
 
 def _release(start: int, length: int) -> None:

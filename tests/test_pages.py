@@ -142,6 +142,15 @@ def test_a_second_reader_of_a_held_piece_gets_the_prepared_bytes_not_the_first_r
     assert int(first.images.max()) == 0 and pages.guarded() == 1
 
 
+def test_a_second_reader_of_an_unwritten_piece_is_isolated_from_the_first_readers_later_writes():
+    store, prepared = _Store(), _piece()
+    first = store.put(prepared)[0].guarded()
+    second = PreparedChunk(first.layout, first.buffer, first._meta, first.indices, 0).guarded()
+    assert not np.shares_memory(second.buffer, first.buffer)
+    first.images[...] = 0  # the first reader's pages went private as the second copied: no fault-time copy
+    assert np.array_equal(second.images, prepared.images) and int(first.images.max()) == 0
+
+
 def test_threads_writing_at_once_get_one_copy():
     store, prepared = _Store(), _piece(n=256)
     piece = store.put(prepared)[0].guarded()
