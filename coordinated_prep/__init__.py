@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from coordinated_prep.trial.echo import EchoSpec
     from coordinated_prep.trial.loader import Batch, TrainLoader, eval_loader, train_loader
     from coordinated_prep.tune.searcher import CoordinatedSearcher
+    from coordinated_prep.tune.results import TrialResult, best_trial
     from coordinated_prep.tune.service import PrepService
 
 __all__ = [
@@ -35,6 +36,8 @@ __all__ = [
     "PrepService",
     "SampleError",
     "TrainLoader",
+    "TrialResult",
+    "best_trial",
     "eval_loader",
     "train_loader",
 ]
@@ -50,6 +53,8 @@ _LAZY = {
     "train_loader": "coordinated_prep.trial.loader",
     "CoordinatedSearcher": "coordinated_prep.tune.searcher",
     "PrepService": "coordinated_prep.tune.service",
+    "TrialResult": "coordinated_prep.tune.results",
+    "best_trial": "coordinated_prep.tune.results",
 }
 
 

@@ -1,4 +1,5 @@
-"""``coordprep``: ``sweep|analyze|memory|bench|echo <experiment.yaml>``, ``dashboard``, ``convert``, ``clean``."""
+"""``coordprep``: ``sweep|analyze|memory|bench|echo <experiment.yaml>``, ``best <sweep dir>``, ``dashboard``,
+``convert``, ``clean``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     commands = {"sweep": _sweep, "analyze": _analyze, "memory": _memory, "bench": _bench, "echo": _echo,
-                "dashboard": _dashboard, "convert": _convert, "clean": _clean}
+                "dashboard": _dashboard, "convert": _convert, "clean": _clean, "best": _best}
     try:
         return commands[args.command](args)
     except CoordinatedPrepError as e:
@@ -30,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sweep = sub.add_parser("sweep", help="run a YAML experiment sweep and print its summary")
     sweep.add_argument("experiment", help="path of the sweep's YAML file, e.g. experiments/default.yaml")
-    sweep.add_argument("--dry-run", action="store_true", help="validate the file and stop before Ray starts")
+    sweep.add_argument("--dry-run", action="store_true", help="validate the file, build every data spec's factories and prepare their first samples, "
+                            "then stop before Ray starts")
     sweep.add_argument("--verbose", type=int, default=1, choices=(0, 1, 2), help="Tune's progress verbosity")
     sweep.add_argument("--quiet", action="store_true",
                        help="no progress line (each data group's sharing factor and stall fraction every 5 s)")
@@ -91,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "running Ray cluster's Grafana loads it, or write it to --out")
     dashboard.add_argument("--out", help="write the dashboard JSON to this file (or into this directory) instead")
     dashboard.add_argument("--address", default="auto", help="the Ray cluster to install into (default: auto)")
+    best = sub.add_parser("best", help="print a finished sweep's best trial (or --trial): its config, its DataSpec and "
+                                       "how to train it again with the standalone loader; and the sweep's data groups")
+    best.add_argument("path", help="the sweep's directory, <storage_path>/<name> (e.g. runs/default)")
+    best.add_argument("--trial", help="this trial id instead of the best")
+    best.add_argument("--metric", help="rank by this reported metric (default: the sweep's)")
+    best.add_argument("--mode", choices=("min", "max"), help="with --metric: lower or higher is better")
+    best.add_argument("--json", action="store_true", help="print trial, config, data and metrics as JSON")
     sub.add_parser("clean", help="delete the node-cache memory (arena files in /dev/shm and the temporary "
                                  "directory) that killed or crashed sweeps left on this machine")
     for command in (analyze, memory, bench):
@@ -103,7 +112,11 @@ def _sweep(args: argparse.Namespace) -> int:
 
     cfg = load_sweep(args.experiment)  # every configuration error surfaces here, before Ray starts
     if args.dry_run:
-        sys.stdout.write(f"{args.experiment}: valid ({cfg.num_samples} samples of {cfg.trainable})\n")
+        from coordinated_prep.sweep.preflight import preflight
+
+        specs = preflight(cfg)  # every factory built, every data group's first samples prepared
+        sys.stdout.write(f"{args.experiment}: valid ({cfg.num_samples} samples of {cfg.trainable}; {specs} data "
+                         f"spec{'s' if specs != 1 else ''} built and their first samples prepared)\n")
         if cfg.gpu_auto is not None:
             sys.stdout.write(_gpu_auto_note() + "\n")
         return 0
@@ -115,7 +128,44 @@ def _sweep(args: argparse.Namespace) -> int:
     if summary.get("interrupted"):
         sys.stdout.write(f"The sweep was interrupted; resume it with: coordprep sweep {args.experiment} --resume\n")
         return 1
-    return 0 if all(t["status"] != "ERROR" for t in summary["trials"]) else 1
+    return exit_status(summary)
+
+
+def exit_status(summary: dict) -> int:
+    """A finished sweep's exit status: 0 when no trial failed; 2 when a trial failed on its configuration
+    or data (a factory's arguments, a broken sample: the status of the same error before Ray starts);
+    1 for any other trial error."""
+    kinds = {t.get("error_kind") or "other" for t in summary["trials"] if t["status"] == "ERROR"}
+    return 2 if "config" in kinds else 1 if kinds else 0
+
+
+def _best(args: argparse.Namespace) -> int:
+    import json
+
+    from coordinated_prep.tune.results import best_trial, saved_reports
+
+    best = best_trial(args.path, args.trial, args.metric, args.mode)
+    if args.json:
+        sys.stdout.write(json.dumps({"trial": best.trial, "config": best.config, "data": repr(best.data),
+                                     "metrics": best.metrics, "path": best.path}, indent=1, default=str) + "\n")
+        return 0
+    which = f"Trial {best.trial}" if args.trial else "Best trial"
+    scores = ", ".join(f"{k}={v}" for k, v in best.metrics.items() if k in ("accuracy", "loss", args.metric))
+    lines = [f"{which}: {best.trial}  {scores}", f"config: {best.config}", f"data: {best.data!r}", "",
+             "Train it again without Tune (the loader prepares the data in its own process):",
+             "  from coordinated_prep import best_trial, train_loader",
+             f"  best = best_trial({args.path!r}{f', trial={best.trial!r}' if args.trial else ''})",
+             "  loader = train_loader(best.data, batch_size=best.config['batch_size'])"]
+    groups = saved_reports(args.path).get("groups") or {}
+    if groups:
+        from coordinated_prep.sweep.summary import format_table
+
+        lines += ["", format_table(["group", "prepared", "served", "saving"], [
+            [key, g.get("samples_prepared"), g.get("samples_served"),
+             f"{g['samples_served'] / g['samples_prepared']:.2f}x" if g.get("samples_prepared") else "-"]
+            for key, g in groups.items()])]
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
 
 
 def _dashboard(args: argparse.Namespace) -> int:

@@ -287,3 +287,17 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 
 #: Keys that moved from the data group to the node's prep pool, and where they went.
 _MOVED = {"prep_actors": "actors", "staging_fraction": "staging_fraction"}
+
+
+def resolve_spec(config: Mapping[str, Any] | DataSpec, key: str = "data") -> DataSpec:
+    """The DataSpec of a trial config (``config[key]``), or ``config`` itself if it is one."""
+    if isinstance(config, DataSpec):
+        return config
+    if not isinstance(config, Mapping) or key not in config:
+        raise ConfigError(f"train_loader: the trial config has no {key!r} entry; put a DataSpec under config[{key!r}]")
+    value = config[key]
+    if isinstance(value, DataSpec):
+        return value
+    if isinstance(value, Mapping):
+        return DataSpec.from_mapping(value, where=key)
+    raise ConfigError(f"config[{key!r}] is a {type(value).__name__}; expected a DataSpec or a mapping of its fields")

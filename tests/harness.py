@@ -38,12 +38,15 @@ def sample_digests(images: np.ndarray) -> np.ndarray:
 
 
 def batch_digests(batch) -> np.ndarray:
-    """A 64-bit digest of each sample of a Batch, over all its leaves (stacked, ragged or strings)."""
+    """A 64-bit digest of each sample of a Batch, over all its leaves (stacked, ragged, strings, metadata)."""
     out = np.empty(len(batch), dtype=np.uint64)
     for i in range(len(batch)):
         h = hashlib.blake2b(digest_size=8)
         for leaf in batch.leaves:
             row = leaf[i]
+            if isinstance(row, dict):  # a tv_tensor's metadata (a hidden leaf): format, canvas size
+                h.update(repr(sorted(row.items())).encode())
+                continue
             h.update(row.encode() if isinstance(row, str) else row.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                      if row.dim() else row.reshape(1).view(torch.uint8).numpy().tobytes())
         out[i] = int.from_bytes(h.digest(), "little")

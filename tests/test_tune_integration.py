@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
+import pytest
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler
 
 from coordinated_prep import CoordinatedSearcher, DataSpec, train_loader
+from coordinated_prep.errors import ConfigError
 from coordinated_prep.pipeline.sources import open_source
 from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled
 from tests.harness import check_trial_records as _check_trial
@@ -125,6 +129,26 @@ def test_sharing_without_the_searcher_is_a_clear_error_in_the_trial(ray_session,
     [trial] = analysis.trials
     message = open(trial.error_file).read()
     assert trial.status == "ERROR" and f"trial {trial.trial_id}" in message and "CoordinatedSearcher" in message
+
+
+def _lifetime(config):
+    start = time.time()
+    time.sleep(0.5)  # the trial's work: long enough that trials started together overlap
+    tune.report({"start": start, "end": time.time()})
+
+
+def test_tune_configs_max_concurrent_trials_is_honoured(ray_session, tmp_path):
+    """Tune drops max_concurrent_trials for a SearchAlgorithm; the CoordinatedSearcher applies it."""
+    searcher = CoordinatedSearcher()
+    tuner = tune.Tuner(tune.with_resources(_lifetime, {"cpu": 0.25}), param_space={"i": tune.grid_search([0, 1, 2])},
+                       tune_config=tune.TuneConfig(search_alg=searcher, max_concurrent_trials=1),
+                       run_config=tune.RunConfig(verbose=0, storage_path=str(tmp_path)))
+    results = tuner.fit()
+    searcher.close()
+    spans = sorted((r.metrics["start"], r.metrics["end"]) for r in results)
+    assert len(spans) == 3 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+    with pytest.raises(ConfigError, match="disagree"):
+        CoordinatedSearcher(max_concurrent=2)._limit(1)
 
 
 def test_a_sweeps_config_reused_outside_tune_prepares_in_process(small_dataset):

@@ -70,11 +70,22 @@ def record_any(config: dict) -> None:
     os.makedirs(out, exist_ok=True)
     loader = train_loader(config, batch_size=config["batch_size"], epochs=EPOCHS)
     for epoch in range(EPOCHS):
-        parts = [(b.indices.numpy(), b.stream_epochs.numpy(), batch_digests(b)) for b in loader]
+        parts = [(b.indices.numpy(), b.stream_epochs.numpy(), batch_digests(b)) for b in loader if _typed(b)]
         np.savez(os.path.join(out, f"epoch{epoch}.npz"), *[np.concatenate(p) for p in zip(*parts)])
         held = [(b.indices.numpy(), batch_digests(b)) for b in eval_loader(config, 16)]
         np.savez(os.path.join(out, f"eval{epoch}.npz"), *[np.concatenate(p) for p in zip(*held)])
         tune.report({"epoch": epoch + 1})
+
+
+def _typed(batch) -> bool:
+    """True; in a trial of the detection group, raises unless each shared sample's boxes came back as
+    the dataset's ``tv_tensors.BoundingBoxes`` with its metadata (what a ``collate_fn`` gets)."""
+    for sample in batch.samples():
+        boxes = sample[1]["boxes"] if isinstance(sample, tuple) and isinstance(sample[1], dict) else None
+        if boxes is not None and not (type(boxes) is tv_tensors.BoundingBoxes and boxes.canvas_size == (16, 16)
+                                      and boxes.format == tv_tensors.BoundingBoxFormat.XYXY):
+            raise AssertionError(f"shared boxes lost their type or metadata: {boxes!r}")
+    return True
 
 
 def _reference(spec: DataSpec, epochs: np.ndarray, indices: np.ndarray) -> np.ndarray:

@@ -18,7 +18,8 @@ int64, ``float`` -> float64, ``bool`` -> bool).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, NamedTuple, Sequence
+import functools
+from typing import Any, Literal, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -84,11 +85,69 @@ def _build(tree: TreeDef, it: Any) -> Any:
 
 
 class LeafSpec(NamedTuple):
-    """How one leaf is stored: its kind, its dtype (a torch dtype's name) and, if dense, its shape."""
+    """How one leaf is stored: its kind, its dtype (a torch dtype's name) and, if dense, its shape;
+    and ``wrap``, what the dataset's sample held there (:func:`leaf_wrap`), so that a trial's
+    ``collate_fn`` gets each sample back as the dataset gave it."""
 
     kind: Kind
     dtype: str
     shape: tuple[int, ...] | None
+    wrap: str | None = None
+
+
+#: Metadata a ``tv_tensors`` type carries besides its values, kept per sample in a hidden leaf.
+TV_METADATA = {"BoundingBoxes": ("format", "canvas_size", "clamping_mode"), "KeyPoints": ("canvas_size",)}
+
+
+def leaf_wrap(leaf: Any) -> str | None:
+    """What a sample's leaf is, beyond its values: a ``tv_tensors`` type's name (``"Image"``,
+    ``"BoundingBoxes"``...), ``"int"``, ``"float"`` or ``"bool"`` for a Python number, ``"ndarray"``
+    for a NumPy array; None for a plain tensor (and what becomes one: a PIL image) or a string."""
+    import torch
+    from torchvision import tv_tensors
+
+    if isinstance(leaf, tv_tensors.TVTensor):
+        return type(leaf).__name__
+    if isinstance(leaf, torch.Tensor) or isinstance(leaf, str):
+        return None
+    if isinstance(leaf, bool):
+        return "bool"
+    if isinstance(leaf, int):
+        return "int"
+    if isinstance(leaf, float):
+        return "float"
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        return "ndarray"
+    return None
+
+
+def tv_metadata(leaf: Any) -> dict[str, Any]:
+    """The metadata of a ``tv_tensors`` leaf that has some (:data:`TV_METADATA`), as plain values."""
+    out = {}
+    for name in TV_METADATA[type(leaf).__name__]:
+        value = getattr(leaf, name, None)
+        if value is not None:
+            out[name] = value.name if hasattr(value, "name") else tuple(value) if name == "canvas_size" else value
+    return out
+
+
+def restore(spec: LeafSpec, value: Any, metadata: Mapping[str, Any] | None = None) -> Any:
+    """One sample's leaf as the dataset gave it, from its stored ``value`` (a tensor, or a string):
+    a ``tv_tensors`` type over the same memory with its metadata, a Python number, a NumPy view."""
+    wrap = spec.wrap
+    if wrap is None or isinstance(value, str):
+        return value
+    if wrap == "int":
+        return int(value)
+    if wrap == "float":
+        return float(value)
+    if wrap == "bool":
+        return bool(value)
+    if wrap == "ndarray":
+        return value.numpy()
+    from torchvision import tv_tensors
+
+    return getattr(tv_tensors, wrap)(value, **(metadata or {}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,11 +160,49 @@ class Layout:
 
     tree: TreeDef
     leaves: tuple[LeafSpec, ...]
+    #: For each hidden leaf (after the tree's), the tree leaf whose per-sample ``tv_tensors`` metadata it
+    #: holds (an ``object`` leaf of dicts: a ``BoundingBoxes``' format and canvas size, sample by sample).
+    described: tuple[int, ...] = ()
 
     @property
     def names(self) -> list[str]:
-        """The leaves' dotted names."""
+        """The leaves' dotted names (the tree's; not the hidden ones)."""
         return paths(self.tree)
+
+    @functools.cached_property
+    def wrapped(self) -> bool:
+        """Whether a ragged leaf holds ``tv_tensors`` (its per-sample entries are wrapped in a batch)."""
+        return any(leaf.kind == "ragged" and leaf.wrap not in (None, "int", "float", "bool", "ndarray")
+                   for leaf in self.leaves)
+
+    def metadata_of(self, j: int, leaves: Sequence[Any]) -> Sequence[Any] | None:
+        """The per-sample metadata of tree leaf ``j`` among a batch's or piece's ``leaves`` (None if it has none)."""
+        for k, described in enumerate(self.described):
+            if described == j:
+                return leaves[len(self.leaves) - len(self.described) + k]
+        return None
+
+    def present(self, leaves: Sequence[Any]) -> list[Any]:
+        """A batch's collated leaves as ``default_collate`` gives them: a ragged leaf's per-sample
+        tensors back in their ``tv_tensors`` types (a stacked leaf stays a plain tensor, as
+        ``torch.stack`` leaves one)."""
+        if not self.wrapped:
+            return list(leaves)
+        out = list(leaves)
+        for j, leaf in enumerate(self.leaves[: len(self.leaves) - len(self.described)]):
+            if leaf.kind == "ragged" and leaf.wrap is not None:
+                metadata = self.metadata_of(j, leaves)
+                out[j] = [restore(leaf, x, metadata[i] if metadata is not None else None) for i, x in enumerate(leaves[j])]
+        return out
+
+    def samples(self, leaves: Sequence[Any], n: int) -> list[Any]:
+        """The ``n`` samples of a batch's collated ``leaves``, each in the dataset's own structure and
+        types (:func:`unflatten`, :func:`restore`): what a ``DataLoader`` hands its ``collate_fn``. A
+        stacked leaf's sample is a view of its row."""
+        count = len(self.leaves) - len(self.described)
+        metadata = [self.metadata_of(j, leaves) for j in range(count)]
+        return [unflatten(self.tree, [restore(spec, leaves[j][i], metadata[j][i] if metadata[j] is not None else None)
+                                      for j, spec in enumerate(self.leaves[:count])]) for i in range(n)]
 
     def sample_bytes(self, samples: Sequence[Any] = ()) -> int:
         """Bytes of one sample's dense leaves, plus the largest ragged leaves among ``samples``."""
@@ -114,7 +211,8 @@ class Layout:
             if leaf.kind == "dense":
                 total += int(np.prod(leaf.shape, dtype=np.int64)) * _itemsize(leaf.dtype)
         if samples:
-            ragged = [j for j, leaf in enumerate(self.leaves) if leaf.kind != "dense"]
+            count = len(self.leaves) - len(self.described)
+            ragged = [j for j, leaf in enumerate(self.leaves[:count]) if leaf.kind != "dense"]
             total += max((sum(_nbytes(flatten(s)[0][j]) for j in ragged) for s in samples), default=0)
         return max(total, 1)
 
@@ -130,8 +228,12 @@ class Layout:
             raise StructureError(
                 f"{where}: sample {index} has structure {describe(tree)}, but the pipeline's samples have "
                 f"{describe(self.tree)}; make the transform return the same structure for every sample")
-        out: list[np.ndarray | str] = []
+        out: list[Any] = []
         for name, leaf, spec in zip(self.names, leaves, self.leaves):
+            if spec.wrap not in _LOOSE and leaf_wrap(leaf) != spec.wrap:
+                raise StructureError(
+                    f"{where}: sample {index}, leaf {name or 'the sample'!r} is a {type(leaf).__name__}, but earlier "
+                    f"samples' is a {spec.wrap or 'plain tensor'}; return one type there in every sample")
             value, dtype = to_array(leaf, index, name, where)
             if dtype != spec.dtype:
                 raise StructureError(
@@ -143,7 +245,12 @@ class Layout:
                     f"the first samples all had {spec.shape}, so it is stacked; if its shape varies, declare it "
                     f"ragged (DataSpec(ragged=[{name!r}])), or give it one shape in the transform (pad, resize)")
             out.append(value)
+        out.extend(tv_metadata(leaves[j]) for j in self.described)
         return out
+
+
+#: Leaf kinds not checked sample by sample: a dataset may give a number as an int once and a NumPy scalar next.
+_LOOSE = (None, "int", "float", "bool", "ndarray")
 
 
 def make_layout(samples: Sequence[Any], ragged: Sequence[str], where: str) -> Layout:
@@ -173,8 +280,10 @@ def make_layout(samples: Sequence[Any], ragged: Sequence[str], where: str) -> La
                     "the transform return the same structure for every sample")
             shapes.add(to_array(leaves[j], k, name, where)[0].shape)  # type: ignore[union-attr]
         kind: Kind = "dense" if len(shapes) == 1 and name not in ragged else "ragged"
-        specs.append(LeafSpec(kind, dtype, value.shape if kind == "dense" else None))
-    layout = Layout(tree, tuple(specs))
+        specs.append(LeafSpec(kind, dtype, value.shape if kind == "dense" else None, leaf_wrap(first[j])))
+    described = tuple(j for j, spec in enumerate(specs) if spec.wrap in TV_METADATA)
+    specs += [LeafSpec("object", "metadata", None) for _ in described]
+    layout = Layout(tree, tuple(specs), described)
     for k, s in enumerate(samples):
         layout.check(s, k, where)  # dtypes agree too
     return layout
@@ -218,6 +327,29 @@ def to_array(leaf: Any, index: int, name: str, where: str) -> tuple[np.ndarray |
             f"{where}: sample {index}, leaf {name or 'the sample'!r} is a {type(leaf).__name__}, which a batch cannot "
             "hold; end the transform with tensors, arrays, numbers or strings (v2.ToImage(), v2.PILToTensor())")
     return to_array(arr, index, name, where)
+
+
+def unflatten(tree: TreeDef, leaves: Sequence[Any]) -> Any:
+    """The sample of ``tree`` with ``leaves`` in order: :func:`flatten`'s inverse (a tuple stays a tuple)."""
+    it = iter(leaves)
+    return _unflatten(tree, it)
+
+
+def _unflatten(tree: TreeDef, it: Any) -> Any:
+    kind = tree[0]
+    if kind == "leaf":
+        return next(it)
+    if kind == "tuple":
+        return tuple(_unflatten(c, it) for c in tree[1])
+    if kind == "list":
+        return [_unflatten(c, it) for c in tree[1]]
+    if kind == "namedtuple":
+        return tree[1](*(_unflatten(c, it) for c in tree[2]))
+    values = {k: _unflatten(c, it) for k, c in zip(tree[2], tree[3])}
+    try:
+        return tree[1](values)
+    except TypeError:
+        return values
 
 
 def describe(tree: TreeDef) -> str:

@@ -112,9 +112,13 @@ class DataSearch:
             ConfigError: A value makes an invalid DataSpec, naming the search-space key, the value, the
                 other data keys' values and the DataSpec's own complaint.
         """
+        return [spec for _, spec in self.variants(space)]
+
+    def variants(self, space: Mapping[str, Any]) -> list[tuple[dict[str, Any], DataSpec]]:
+        """:meth:`check`'s distinct DataSpecs, each with the first data-key values that built it."""
         candidates = {key: candidates_of(space[key]) for key in self.keys}
         first = {key: values[0] for key, values in candidates.items()}
-        specs: dict[str, DataSpec] = {}
+        specs: dict[str, tuple[dict[str, Any], DataSpec]] = {}
         for key, values in candidates.items():  # one key at a time first: an error names the one at fault
             for value in values:
                 self._checked({**first, key: value}, [key], specs)
@@ -123,7 +127,8 @@ class DataSearch:
                 self._checked(dict(zip(self.keys, combo)), list(self.keys), specs)
         return list(specs.values())
 
-    def _checked(self, values: Mapping[str, Any], named: Sequence[str], specs: dict[str, DataSpec]) -> None:
+    def _checked(self, values: Mapping[str, Any], named: Sequence[str],
+                 specs: dict[str, tuple[dict[str, Any], DataSpec]]) -> None:
         try:
             spec = self.spec(values)
         except ConfigError as e:
@@ -132,7 +137,7 @@ class DataSearch:
             context = f" (with {', '.join(others)})" if others else ""
             raise ConfigError(f"{blame}{context}: {e}; change the values searched, or the base value under data") \
                 from None
-        specs.setdefault(spec.group_key, spec)
+        specs.setdefault(spec.group_key, (dict(values), spec))
 
 
 def candidates_of(value: Any) -> list[Any]:

@@ -9,6 +9,7 @@ from typing import Any, Iterator, Mapping, Sequence, TextIO
 
 from coordinated_prep.cache.arena import remove_stale
 from coordinated_prep.errors import ConfigError
+from coordinated_prep.tune.results import saved_reports
 from coordinated_prep.tune.searcher import CoordinatedSearcher
 from coordinated_prep.sweep.config import SweepConfig
 from coordinated_prep.sweep.summary import build_summary, write_summary
@@ -76,6 +77,8 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1, resume: bool = False,
         if searcher is not None and (not resume or searcher.attach()):
             reports = {"groups": searcher.group_reports(), "caches": searcher.cache_reports(),
                        "evals": searcher.eval_reports(), "decoded": searcher.decoded_reports()}
+        elif searcher is not None:  # Tune's restored copy of the searcher wrote them at its last checkpoint
+            reports = saved_reports(path)
     finally:
         if searcher is not None:
             searcher.close()
@@ -92,7 +95,7 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1, resume: bool = False,
                 row["status"] = "UNFINISHED"
                 unfinished[row["trial"]] = saved[row["trial"]]
     summary = build_summary(trials, reports.get("groups", {}), cfg.metric, cfg.mode, reports.get("caches"),
-                            reports.get("evals"), reports.get("decoded"))
+                            reports.get("evals"), reports.get("decoded"), coordinated=searcher is not None)
     summary["interrupted"] = bool(unfinished)
     if unfinished:
         logger.warning("the sweep was interrupted with %d trials unfinished (saved as %s); resume it with: "
@@ -212,6 +215,23 @@ def _echo_name(value: Any) -> str:
         return str(value)
 
 
+def error_kind(error: BaseException | None) -> str | None:
+    """``"config"`` for a trial that failed on its configuration or data (a :class:`ConfigError`,
+    a broken sample: what ``coordprep`` exits 2 for), ``"other"`` for any other error, None for none.
+
+    Tune hands back a trial's error as Ray wrapped it (``RayTaskError``, ``TuneError``): the cause is
+    found along ``cause`` and ``__cause__``.
+    """
+    from coordinated_prep.errors import CoordinatedPrepError
+
+    seen = 0
+    while error is not None and seen < 16:
+        if isinstance(error, CoordinatedPrepError):
+            return "config"
+        error, seen = getattr(error, "cause", None) or error.__cause__, seen + 1
+    return None if seen == 0 else "other"
+
+
 def _trial_row(result: Any, metric: str) -> dict[str, Any]:
     from coordinated_prep.spec import DataSpec
 
@@ -223,6 +243,7 @@ def _trial_row(result: Any, metric: str) -> dict[str, Any]:
         "group": spec.group_key if isinstance(spec, DataSpec) else None,
         "status": "ERROR" if result.error else "TERMINATED",
         "error": str(result.error).splitlines()[0] if result.error else None,
+        "error_kind": error_kind(result.error),
         "epochs": m.get("epoch"), metric: m.get(metric), "stall_fraction": m.get("stall_fraction"),
         "data_wait_s": m.get("data_wait_s"), "compute_s": m.get("compute_s"),
         "private_samples": m.get("private_samples"),

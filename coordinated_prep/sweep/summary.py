@@ -13,9 +13,10 @@ _TRIAL_COLUMNS = ("trial", "status", "epochs", "metric", "stall_fraction", "batc
 def build_summary(trials: Sequence[Mapping[str, Any]], groups: Mapping[str, Mapping[str, Any]],
                   metric: str, mode: str, caches: Mapping[str, Mapping[str, Any]] | None = None,
                   evals: Mapping[str, Mapping[str, Any]] | None = None,
-                  decoded: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+                  decoded: Mapping[str, Mapping[str, Any]] | None = None, coordinated: bool = True) -> dict[str, Any]:
     """Assemble the summary from per-trial rows and the searcher's reports (data groups, node caches,
-    evaluation sets, decoded tiers)."""
+    evaluation sets, decoded tiers); ``coordinated``: whether the sweep ran a prep pool
+    (``data.coordinated``)."""
     scored = [t for t in trials if isinstance(t.get(metric), (int, float)) and not math.isnan(t[metric])]
     best = (max if mode == "max" else min)(scored, key=lambda t: t[metric]) if scored else None
     group_rows = {}
@@ -29,7 +30,8 @@ def build_summary(trials: Sequence[Mapping[str, Any]], groups: Mapping[str, Mapp
             group_rows[t["group"]].setdefault("searched", values)
         ranks = (groups.get(t.get("group")) or {}).get("ranks", {}).get(t.get("trial"))
         rows.append(dict(t, ranks=ranks) if ranks else t)  # the Ray Train workers that joined for the trial
-    return {"metric": metric, "mode": mode, "best_trial": best, "trials": rows, "groups": group_rows,
+    return {"metric": metric, "mode": mode, "coordinated": coordinated, "best_trial": best, "trials": rows,
+            "groups": group_rows,
             "caches": dict(caches or {}), "evaluation": dict(evals or {}), "decoded": dict(decoded or {})}
 
 
@@ -94,8 +96,12 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         lines.append(format_table(["group"] + (["searched data"] if searched else [])
                                   + ["dataset", "prepared", "served", "saving", "peak MiB", "fetch s", "decode+aug s",
                                      "put s", "detached", "released", "stall s", "nodes"], rows))
-    else:
+    elif not summary.get("coordinated", True):
         lines.append("No coordinated data groups (coordinated: false): every trial prepared its own data.")
+    else:
+        failed = sum(t.get("status") == "ERROR" for t in summary["trials"])
+        lines.append(f"No data group reported: the sweep was coordinated, but no trial read shared data "
+                     f"({failed} of {len(summary['trials'])} trials failed; their errors are above).")
     if summary.get("resumed"):
         lines.append("")
         lines.append("Resumed: the trials above are the whole sweep's; the figures below are this run's.")

@@ -46,19 +46,43 @@ class Batch:
         layout: The samples' layout; ``leaves`` the collated leaves in its order.
     """
 
-    __slots__ = ("data", "leaves", "layout", "indices", "stream_epochs", "repeats")
+    __slots__ = ("data", "leaves", "layout", "indices", "stream_epochs", "repeats", "collate_fn")
 
     def __init__(self, layout: Layout, leaves: Sequence[Any], indices: torch.Tensor, stream_epochs: torch.Tensor,
                  repeats: torch.Tensor | None = None) -> None:
         self.layout, self.leaves = layout, list(leaves)
-        self.data = collate(layout.tree, self.leaves)
+        self.data = collate(layout.tree, layout.present(self.leaves))
         self.indices, self.stream_epochs = indices, stream_epochs
         self.repeats = repeats if repeats is not None else torch.zeros_like(indices)
+        self.collate_fn: Callable[[list[Any]], Any] | None = None
 
     def replace(self, **changes: Any) -> "Batch":
         """A copy with ``indices``, ``stream_epochs`` or ``repeats`` replaced."""
         fields = {"indices": self.indices, "stream_epochs": self.stream_epochs, "repeats": self.repeats, **changes}
         return Batch(self.layout, self.leaves, **fields)
+
+    def samples(self) -> list[Any]:
+        """The batch's samples, each in the structure and types the dataset gave (a tuple stays a
+        tuple, a ``tv_tensors.BoundingBoxes`` keeps its format and canvas size, an int label is an
+        int): what a ``DataLoader`` hands its ``collate_fn``. A stacked leaf's sample is a view of
+        its row (a write stays in this trial: :mod:`coordinated_prep.pages`)."""
+        return self.layout.samples(self.leaves, len(self))
+
+    def collated(self, collate_fn: Callable[[list[Any]], Any]) -> "Batch":
+        """This batch with :attr:`data` = ``collate_fn(self.samples())``, as a ``DataLoader`` with that
+        ``collate_fn`` would yield it."""
+        self.data = collate_fn(self.samples())
+        self.collate_fn = collate_fn
+        return self
+
+    def to(self, *args: Any, **kwargs: Any) -> "Batch":
+        """The batch with every tensor of :attr:`data` moved as ``Tensor.to(*args, **kwargs)`` moves
+        it (Lightning moves a batch to the device through this)."""
+        out = Batch.__new__(Batch)
+        for name in Batch.__slots__:
+            setattr(out, name, getattr(self, name))
+        out.data = _moved(self.data, args, kwargs)
+        return out
 
     def __len__(self) -> int:
         return int(self.indices.shape[0])
@@ -78,6 +102,19 @@ class Batch:
     def labels(self) -> torch.Tensor:
         """The targets of ``(input, target)`` samples (``data[1]``)."""
         return self.data[1]
+
+
+def _moved(value: Any, args: tuple, kwargs: dict) -> Any:
+    """``value`` with each tensor ``.to(*args, **kwargs)``, through lists, tuples and dicts."""
+    if isinstance(value, torch.Tensor):
+        return value.to(*args, **kwargs)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_moved(v, args, kwargs) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_moved(v, args, kwargs) for v in value)
+    if isinstance(value, dict):
+        return {k: _moved(v, args, kwargs) for k, v in value.items()}
+    return value.to(*args, **kwargs) if hasattr(value, "to") and callable(value.to) else value
 
 
 @dataclass

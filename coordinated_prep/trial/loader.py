@@ -9,17 +9,15 @@ import os
 import time
 import warnings
 import weakref
-from typing import Any, Generator, Iterator, Mapping
+from typing import Any, Callable, Generator, Iterator, Mapping
 
 from coordinated_prep import metrics
 from coordinated_prep.context import whereabouts
 from coordinated_prep.errors import ConfigError
-from coordinated_prep.pipeline.transforms import make_pipeline
-from coordinated_prep.plan import holdout_split
-from coordinated_prep.spec import DataSpec
-from coordinated_prep.trial.batching import Batch, Batcher, BatchStats, batched
+from coordinated_prep.spec import DataSpec, resolve_spec  # noqa: F401  (re-exported)
+from coordinated_prep.trial.batching import Batch, Batcher, BatchStats
 from coordinated_prep.trial.echo import EchoCounts, EchoSpec, echoed, epoch_rng
-from coordinated_prep.trial.eval_stream import private_eval_pieces, shared_eval_pieces
+from coordinated_prep.trial.eval_loader import EvalLoader, check_collate, eval_loader  # noqa: F401  (re-exported)
 from coordinated_prep.trial.pinning import _accelerator, pinned
 from coordinated_prep.trial.shard import Shard, ShardBatcher, filled, planned_len, rank_counts, rank_steps
 from coordinated_prep.trial.streams import PieceStream, PrivateStream, SharedStream, has_registry
@@ -31,20 +29,6 @@ _OUTSIDE_TUNE = "local"
 _LOADERS: collections.Counter[str] = collections.Counter()
 #: Why sharing was off for a coordinated loader here, each said once per process (a loader per epoch is common).
 _WARNED: set[str] = set()
-
-
-def resolve_spec(config: Mapping[str, Any] | DataSpec, key: str = "data") -> DataSpec:
-    """The DataSpec of a trial config (``config[key]``), or ``config`` itself if it is one."""
-    if isinstance(config, DataSpec):
-        return config
-    if not isinstance(config, Mapping) or key not in config:
-        raise ConfigError(f"train_loader: the trial config has no {key!r} entry; put a DataSpec under config[{key!r}]")
-    value = config[key]
-    if isinstance(value, DataSpec):
-        return value
-    if isinstance(value, Mapping):
-        return DataSpec.from_mapping(value, where=key)
-    raise ConfigError(f"config[{key!r}] is a {type(value).__name__}; expected a DataSpec or a mapping of its fields")
 
 
 class TrainLoader:
@@ -65,11 +49,13 @@ class TrainLoader:
         pin_memory: Pin each batch one ahead in a background thread (see :func:`train_loader`).
         shard: This rank's share of each epoch in a data-parallel trial
             (:mod:`coordinated_prep.trial.shard`); None: the whole epoch.
+        collate_fn: Builds each batch's :attr:`~Batch.data` from its samples (see :func:`train_loader`).
     """
 
     def __init__(self, stream: PieceStream, batch_size: int, epochs: int | None = None,
                  tags: Mapping[str, str] | None = None, echo: EchoSpec | None = None, views: int = 1,
-                 seed: int = 0, pin_memory: bool = False, shard: Shard | None = None) -> None:
+                 seed: int = 0, pin_memory: bool = False, shard: Shard | None = None,
+                 collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
         self._stream = stream
         self.shard = shard
         self.batch_size = batch_size
@@ -85,6 +71,7 @@ class TrainLoader:
         self.views = views
         self._seed = seed
         self._pin = pin_memory and _accelerator("train_loader")
+        self.collate_fn = collate_fn
         self.stats = BatchStats()  # batches cut, how many were copies, and the CPU they cost this trial
         self.echo_counts = EchoCounts()  # fresh and repeated samples, all epochs together
         self.epoch_counts = EchoCounts()  # the same, for the epoch being read (or the last one read)
@@ -164,7 +151,10 @@ class TrainLoader:
             raise ConfigError(f"train_loader: epoch {self.epoch + 1} requested, but the loader was created with "
                               f"epochs={self.epochs}; raise epochs or leave it unset")
         epoch, self.epoch = self.epoch, self.epoch + 1
-        batches = self._timed(pinned(self._batches(epoch)) if self._pin else self._batches(epoch))
+        batches = pinned(self._batches(epoch)) if self._pin else self._batches(epoch)
+        if self.collate_fn is not None:  # on the loop's thread: a collate that draws (mixup) draws between its steps
+            batches = (batch.collated(self.collate_fn) for batch in batches)
+        batches = self._timed(batches)
         self._live = weakref.ref(batches)
         return batches
 
@@ -223,7 +213,7 @@ class TrainLoader:
 def train_loader(
     config: Mapping[str, Any] | DataSpec, batch_size: int, *, epochs: int | None = None, key: str = "data",
     prefetch: int | None = None, echo: Any = None, num_workers: int | None = None, pin_memory: bool = False,
-    drop_last: bool = False,
+    drop_last: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> TrainLoader:
     """The training loader of a Tune trial, or of one rank of a data-parallel trial.
 
@@ -257,6 +247,12 @@ def train_loader(
         drop_last: In a data-parallel trial, leave out the end of an epoch that does not split
             evenly over the ranks instead of padding it with repeats (``DistributedSampler``'s
             ``drop_last``; :mod:`coordinated_prep.trial.shard`).
+        collate_fn: As a ``DataLoader``'s: called in this process with the list of a batch's samples,
+            each in the structure and types the dataset and transform gave (a ``tv_tensors.BoundingBoxes``
+            with its format and canvas size, an int label as an int; :meth:`Batch.samples`), and its
+            result is the batch's :attr:`~Batch.data` (``for images, targets in loader`` unpacks it).
+            Detection's ``lambda b: tuple(zip(*b))`` works. None: ``default_collate``'s structure, with
+            stacked leaves as views of the shared pieces. It runs on the loop's thread, after pinning.
 
     In a Ray Train worker (``TorchTrainer`` inside a Tune trial, or a run of Ray Train alone),
     rank ``r`` of ``k`` reads its disjoint share of each of the trial's epochs, the same number of
@@ -278,6 +274,7 @@ def train_loader(
     if epochs is not None and (not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1):
         raise ConfigError(f"train_loader: epochs={epochs!r} must be a positive integer or None")
     spec = resolve_spec(config, key)
+    check_collate(collate_fn, "train_loader")
     if echo is None and isinstance(config, Mapping) and config.get("echo") not in (None, 1, "off"):
         warnings.warn(f"train_loader: the trial config has echo={config['echo']!r}, but echo= was not passed, so "
                       "this loader does not echo; pass train_loader(..., echo=config['echo'])", stacklevel=2)
@@ -289,7 +286,8 @@ def train_loader(
     if shard is not None:
         _check_data_parallel(spec, echo_spec, shard, where.trial or _OUTSIDE_TUNE)
     trial = where.trial or _OUTSIDE_TUNE
-    options = {"echo": echo_spec, "views": spec.views, "seed": spec.seed, "pin_memory": pin_memory, "shard": shard}
+    options = {"echo": echo_spec, "views": spec.views, "seed": spec.seed, "pin_memory": pin_memory, "shard": shard,
+               "collate_fn": collate_fn}
     tags = {"group": spec.group_key, "trial": trial if shard is None else f"{trial}@{shard.rank}"}
     shared = spec.coordinated and where.trial is not None
     if shared and where.train and not has_registry():
@@ -339,46 +337,3 @@ def _warn_unshared(why: str) -> None:
     _WARNED.add(why)
     warnings.warn(f"train_loader: coordinated=True, but sharing is off: {why}. This process prepares every sample "
                   "itself (the same bytes a shared trial starting at piece 0 reads)", stacklevel=3)
-
-
-class EvalLoader:
-    """The held-out split in batches, one full pass per ``iter()``, like a ``DataLoader`` over it
-    (Lightning iterates validation data every epoch). ``len()`` is the number of batches of a pass."""
-
-    def __init__(self, spec: DataSpec, batch_size: int) -> None:
-        self.spec, self.batch_size = spec, batch_size
-        self._batches: int | None = None
-
-    def __iter__(self) -> Iterator[Batch]:
-        spec = self.spec
-        where = whereabouts(spec._trial or None)
-        shared = spec.coordinated and where.trial is not None and (not where.train or has_registry())
-        return batched(shared_eval_pieces(spec, where.trial) if shared else private_eval_pieces(spec), self.batch_size)
-
-    def __len__(self) -> int:
-        if self._batches is None:
-            held = len(holdout_split(len(make_pipeline(self.spec)), self.spec.holdout)[1])
-            self._batches = math.ceil(held / self.batch_size)
-        return self._batches
-
-    def __bool__(self) -> bool:  # ``if loader:`` must not open the dataset to count
-        return True
-
-
-def eval_loader(config: Mapping[str, Any] | DataSpec, batch_size: int, *, key: str = "data") -> EvalLoader:
-    """Batches of the held-out split in index order, resized and centre-cropped (``stream_epochs`` -1);
-    each ``iter()`` is a full pass.
-
-    In a Tune trial of a :class:`~coordinated_prep.CoordinatedSearcher` sweep with
-    ``coordinated=True``, the split is prepared once for the whole sweep per evaluation pipeline
-    (dataset, holdout, size, eval_resize, backend) by the node's prep pool and read by every trial
-    from the object store (:mod:`coordinated_prep.stream.eval_set`); otherwise this process prepares it.
-    The bytes are the same either way.
-
-    Raises:
-        ConfigError: Bad batch size or no DataSpec in the config (at once).
-        PrepError: A held-out sample cannot be prepared (names the trial and the file), while iterating.
-    """
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ConfigError(f"eval_loader: batch_size={batch_size!r} must be a positive integer")
-    return EvalLoader(resolve_spec(config, key), batch_size)

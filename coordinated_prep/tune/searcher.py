@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Dict, Mapping, Optional
 
 import ray
@@ -14,6 +15,7 @@ from coordinated_prep.errors import ConfigError
 from coordinated_prep.naming import NAMESPACE, registry_name
 from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.stream.registry import RegistryActor
+from coordinated_prep.tune.results import write_reports
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +41,8 @@ class CoordinatedSearcher(SearchAlgorithm):
     Args:
         searcher: A Tune ``Searcher`` (e.g. OptunaSearch) or ``SearchAlgorithm``; default is Tune's
             random/grid variant generation (``BasicVariantGenerator``).
-        max_concurrent: Most trials running at once (0 = no limit). Pass it here: Tune ignores
-            ``max_concurrent_trials`` for a SearchAlgorithm.
+        max_concurrent: Most trials running at once (0 = no limit). ``TuneConfig(max_concurrent_trials=n)``
+            works too (Tune itself drops it for a SearchAlgorithm; this searcher applies it).
         cache: A raw-data cache on every node (a :class:`CacheSpec` or a mapping of its fields),
             shared by every data group of the sweep; None (default): samples are read from storage.
         pool: The prep pool and staging budget of every node (a :class:`PoolSpec` or a mapping of
@@ -76,6 +78,8 @@ class CoordinatedSearcher(SearchAlgorithm):
         else:
             raise ConfigError(f"CoordinatedSearcher: searcher={searcher!r} is not a Tune Searcher or SearchAlgorithm")
         self._inner = inner
+        self._max_concurrent = max_concurrent
+        self._objective: tuple[str | None, str | None] = (None, None)  # Tune's metric and mode
         # Tune lets only ONE trial be pending at a time for a SearchAlgorithm that is not a
         # BasicVariantGenerator, unless it finds a ConcurrencyLimiter along `search_alg.searcher`
         # (tune_controller._get_max_pending_trials): trials would start one by one, about a second
@@ -97,7 +101,33 @@ class CoordinatedSearcher(SearchAlgorithm):
         return self._inner.metric
 
     def set_search_properties(self, metric: Optional[str], mode: Optional[str], config: Dict, **spec) -> bool:
+        self._limit(_tune_max_concurrent_trials())
+        self._objective = (metric, mode)  # written with the reports: `coordprep best` ranks by them
         return self._inner.set_search_properties(metric, mode, config, **spec)
+
+    def _limit(self, n: int | None) -> None:
+        """Honour ``TuneConfig(max_concurrent_trials=n)``, which Tune drops for a SearchAlgorithm.
+
+        Raises:
+            ConfigError: ``n`` differs from the ``max_concurrent`` given here, or the inner search
+                algorithm is the user's own (whose concurrency only it can limit).
+        """
+        if not n:
+            return
+        if self._max_concurrent and self._max_concurrent != n:
+            raise ConfigError(f"max_concurrent_trials={n} (TuneConfig) and CoordinatedSearcher(max_concurrent="
+                              f"{self._max_concurrent}) disagree; set one of them")
+        if isinstance(self._inner, BasicVariantGenerator):
+            self._inner.max_concurrent = n
+            self.searcher.max_concurrent = n  # the marker Tune sizes its pending trials by
+        elif isinstance(self._inner, SearchGenerator):
+            if not self._max_concurrent:
+                self._inner.searcher = self.searcher = ConcurrencyLimiter(self._inner.searcher, n)
+        else:
+            raise ConfigError(f"max_concurrent_trials={n}: Tune cannot limit the {type(self._inner).__name__} "
+                              "wrapped by the CoordinatedSearcher; set its own limit and leave max_concurrent_trials "
+                              "unset")
+        self._max_concurrent = n
 
     @property
     def total_samples(self) -> int:
@@ -137,7 +167,19 @@ class CoordinatedSearcher(SearchAlgorithm):
         return self._inner.has_checkpoint(dirpath)
 
     def save_to_dir(self, dirpath: str, **kwargs) -> None:
+        # Tune calls this at each experiment checkpoint, last when the sweep ends; what it writes to
+        # ``dirpath`` lands in the sweep's directory (``coordinated_prep.tune.results``).
         self._inner.save_to_dir(dirpath, **kwargs)
+        if self._registry is None:
+            return
+        try:
+            reports = {"groups": self.group_reports(), "caches": self.cache_reports(), "evals": self.eval_reports(),
+                       "decoded": self.decoded_reports()}
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+            logger.warning("coordinated_prep: the data-group reports were not saved with this checkpoint: %s", e)
+            return
+        metric, mode = getattr(self, "_objective", (None, None))
+        write_reports(dirpath, {"metric": metric, "mode": mode, **reports})
 
     def restore_from_dir(self, dirpath: str) -> None:
         self._ensure_registry()
@@ -231,6 +273,24 @@ class CoordinatedSearcher(SearchAlgorithm):
             raise
         self._registry = registry
         logger.info("coordinated_prep: prep pools ready on %d node(s): %s", len(pools), pools)
+
+
+def _tune_max_concurrent_trials() -> int | None:
+    """``max_concurrent_trials`` of the ``tune.run`` (``Tuner.fit``) now calling the searcher, if any.
+
+    Tune (2.x, ``ray.tune.tune.run``) wraps a ``Searcher`` in a ``ConcurrencyLimiter`` for it, but for a
+    ``SearchAlgorithm`` it logs a warning and drops the value, and it passes the value nowhere else.
+    So the searcher reads it from that call's frame, a few frames up from ``set_search_properties``.
+    """
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "run" and frame.f_globals.get("__name__") == "ray.tune.tune":
+            value = frame.f_locals.get("max_concurrent_trials")
+            return value if isinstance(value, int) and value > 0 else None
+        frame = frame.f_back
+    return None
 
 
 def _destroy(registry: Any) -> None:

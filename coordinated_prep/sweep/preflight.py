@@ -1,0 +1,81 @@
+"""What ``coordprep sweep --dry-run`` tries beyond reading the file: every data group the sweep can make.
+
+Loading a sweep checks names and values (:mod:`coordinated_prep.sweep.config`). A dry run also builds
+each distinct DataSpec the search space can give (:meth:`~coordinated_prep.sweep.data_space.DataSearch.variants`):
+every factory with its arguments (a misspelt argument fails here, not in every trial), then the
+pipeline, whose first training and held-out samples are prepared as a group's start prepares them
+(:func:`~coordinated_prep.pipeline.probe.probe`: a transform torchvision refuses, one that cannot be
+seeded, samples of varying structure). A ``UserWarning`` raised while a factory builds counts as an
+error here: it is how torchvision says an argument is out of range (``RandomResizedCrop`` with
+``scale=(1.7, 1.0)`` warns "Scale and ratio should be of kind (min, max)" and then crops something
+else than asked).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping
+
+from coordinated_prep.errors import ConfigError, CoordinatedPrepError
+from coordinated_prep.pipeline.datasets import Factory
+from coordinated_prep.spec import TRANSFORM_FIELDS, DataSpec
+
+
+def preflight(cfg: Any) -> int:
+    """Build and probe every DataSpec of the sweep ``cfg`` (a :class:`~coordinated_prep.sweep.config.SweepConfig`).
+
+    Returns:
+        The number of distinct DataSpecs tried.
+
+    Raises:
+        ConfigError: A factory fails or warns while building, or a pipeline's first samples cannot be
+            prepared, naming the file, the ``data`` key, the searched values that made the spec and the cause.
+    """
+    variants = cfg.data_search.variants(cfg.search_space) if cfg.data_search is not None else [({}, cfg.data)]
+    for values, spec in variants:
+        where = "data" + (f" with {describe_values(values)}" if values else "")
+        try:
+            try_spec(spec, where)
+        except CoordinatedPrepError as e:
+            raise ConfigError(f"{cfg.path}: {e}") from None
+    return len(variants)
+
+
+def try_spec(spec: DataSpec, where: str = "data") -> None:
+    """Build ``spec``'s factories and prepare its first training and held-out samples here.
+
+    Raises:
+        ConfigError: As :func:`preflight` (``where`` names the spec).
+        SampleError, StructureError: From the probe, prefixed with ``where``.
+    """
+    from coordinated_prep.pipeline.probe import probe, train_indices
+    from coordinated_prep.pipeline.transforms import make_pipeline
+    from coordinated_prep.plan import holdout_split
+
+    for name in ("dataset", *TRANSFORM_FIELDS):
+        value = getattr(spec, name)
+        if isinstance(value, Factory):
+            _build(value, f"{where}: {name}")
+    try:
+        pipeline = make_pipeline(spec)
+        n = len(pipeline)
+        probe(pipeline, spec.seed, train_indices(n, spec.holdout), spec.ragged, spec.views, "train", where)
+        probe(pipeline, spec.seed, holdout_split(n, spec.holdout)[1], spec.ragged, 1, "eval", f"{where} (evaluation)")
+    except CoordinatedPrepError as e:
+        raise ConfigError(f"{where}: {e}" if not str(e).startswith(where) else str(e)) from None
+
+
+def _build(factory: Factory, where: str) -> None:
+    """``factory.build()`` with its UserWarnings raised (see the module's docstring)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        try:
+            factory.build()
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}; fix the factory's args (a warning while building counts as an error "
+                              "in a dry run: it is how torchvision refuses an argument)") from None
+
+
+def describe_values(values: Mapping[str, Any]) -> str:
+    """``search_space.k=v, ...`` of a variant's searched values."""
+    return ", ".join(f"search_space.{k}={v!r}" for k, v in values.items())

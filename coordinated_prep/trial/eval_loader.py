@@ -1,0 +1,71 @@
+"""The evaluation loader: the held-out split in batches, a full pass per ``iter()``."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterator, Mapping
+
+from coordinated_prep.context import whereabouts
+from coordinated_prep.errors import ConfigError
+from coordinated_prep.pipeline.transforms import make_pipeline
+from coordinated_prep.plan import holdout_split
+from coordinated_prep.spec import DataSpec, resolve_spec
+from coordinated_prep.trial.batching import Batch, batched
+from coordinated_prep.trial.eval_stream import private_eval_pieces, shared_eval_pieces
+from coordinated_prep.trial.streams import has_registry
+
+
+def check_collate(collate_fn: Any, who: str) -> None:
+    if collate_fn is not None and not callable(collate_fn):
+        raise ConfigError(f"{who}: collate_fn={collate_fn!r} is not callable; pass a function of the list of a "
+                          "batch's samples, as to a DataLoader, or None")
+
+
+class EvalLoader:
+    """The held-out split in batches, one full pass per ``iter()``, like a ``DataLoader`` over it
+    (Lightning iterates validation data every epoch). ``len()`` is the number of batches of a pass."""
+
+    def __init__(self, spec: DataSpec, batch_size: int,
+                 collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
+        self.spec, self.batch_size, self.collate_fn = spec, batch_size, collate_fn
+        self._batches: int | None = None
+
+    def __iter__(self) -> Iterator[Batch]:
+        spec = self.spec
+        where = whereabouts(spec._trial or None)
+        shared = spec.coordinated and where.trial is not None and (not where.train or has_registry())
+        batches = batched(shared_eval_pieces(spec, where.trial) if shared else private_eval_pieces(spec),
+                          self.batch_size)
+        if self.collate_fn is None:
+            return batches
+        return (batch.collated(self.collate_fn) for batch in batches)
+
+    def __len__(self) -> int:
+        if self._batches is None:
+            held = len(holdout_split(len(make_pipeline(self.spec)), self.spec.holdout)[1])
+            self._batches = math.ceil(held / self.batch_size)
+        return self._batches
+
+    def __bool__(self) -> bool:  # ``if loader:`` must not open the dataset to count
+        return True
+
+
+def eval_loader(config: Mapping[str, Any] | DataSpec, batch_size: int, *, key: str = "data",
+                collate_fn: Callable[[list[Any]], Any] | None = None) -> EvalLoader:
+    """Batches of the held-out split in index order, resized and centre-cropped (``stream_epochs`` -1);
+    each ``iter()`` is a full pass.
+
+    In a Tune trial of a :class:`~coordinated_prep.CoordinatedSearcher` sweep with
+    ``coordinated=True``, the split is prepared once for the whole sweep per evaluation pipeline
+    (dataset, holdout, size, eval_resize, backend) by the node's prep pool and read by every trial
+    from the object store (:mod:`coordinated_prep.stream.eval_set`); otherwise this process prepares it.
+    The bytes are the same either way. ``collate_fn`` is applied as :func:`train_loader` applies it.
+
+    Raises:
+        ConfigError: Bad batch size or no DataSpec in the config (at once).
+        PrepError: A held-out sample cannot be prepared (names the trial and the file), while iterating.
+    """
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ConfigError(f"eval_loader: batch_size={batch_size!r} must be a positive integer")
+    check_collate(collate_fn, "eval_loader")
+    return EvalLoader(resolve_spec(config, key), batch_size, collate_fn)

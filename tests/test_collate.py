@@ -1,0 +1,102 @@
+"""A team's own collate_fn, and samples in the types the dataset gave (tv_tensors with their
+metadata, Python numbers, NumPy arrays), as a DataLoader hands them over (no Ray)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+from torchvision import tv_tensors
+from torchvision.transforms import v2
+
+from coordinated_prep import ConfigError, DataSpec, eval_loader, train_loader
+from coordinated_prep.pipeline.structure import StructureError
+from tests.test_user_pipelines import Detection
+
+
+class Sized(Detection):
+    """Detection samples whose canvas (and image) size varies from sample to sample, with a score array."""
+
+    def __getitem__(self, i: int):
+        side = 12 + i % 5
+        k = i % 3
+        image = tv_tensors.Image(torch.full((3, side, side), i % 251, dtype=torch.uint8))
+        boxes = tv_tensors.BoundingBoxes(torch.tensor([[j, j, j + 4.0, j + 5.0] for j in range(k)]).reshape(k, 4),
+                                         format="XYWH" if i % 2 else "XYXY", canvas_size=(side, side))
+        mask = tv_tensors.Mask(torch.zeros(side, side, dtype=torch.uint8))
+        return image, {"boxes": boxes, "labels": torch.arange(k) + 1, "masks": mask, "score": np.float32(i),
+                       "id": i, "name": f"img{i}"}
+
+
+def _spec(dataset, **overrides) -> DataSpec:
+    return DataSpec(**{"dataset": dataset, "seed": 3, "chunk_size": 16, "holdout": 0.1, "coordinated": False,
+                       **overrides})
+
+
+def test_collate_fn_gets_each_sample_as_the_dataset_gave_it():
+    dataset = Sized(64)
+    seen = []
+    loader = train_loader(_spec(dataset), 8, epochs=1, num_workers=0, collate_fn=lambda b: seen.extend(b) or len(b))
+    batches = list(loader)
+    assert [b.data for b in batches] == [len(b) for b in batches], "data is what collate_fn returned"
+    assert len(seen) == loader.samples_per_epoch
+    for sample, index in zip(seen, torch.cat([b.indices for b in batches]).tolist()):
+        image, target = dataset[index]
+        assert isinstance(sample, tuple) and isinstance(sample[1], dict) and list(sample[1]) == list(target)
+        got_image, got = sample
+        assert type(got_image) is tv_tensors.Image and torch.equal(got_image, image)
+        assert type(got["boxes"]) is tv_tensors.BoundingBoxes and torch.equal(got["boxes"], target["boxes"])
+        assert got["boxes"].format == target["boxes"].format and got["boxes"].canvas_size == target["boxes"].canvas_size
+        assert type(got["masks"]) is tv_tensors.Mask and got["masks"].shape == target["masks"].shape
+        assert type(got["labels"]) is torch.Tensor and torch.equal(got["labels"], target["labels"])
+        assert isinstance(got["score"], np.ndarray) and got["score"] == target["score"]
+        assert type(got["id"]) is int and got["id"] == index and got["name"] == f"img{index}"
+
+
+def test_default_batches_keep_tv_tensors_where_default_collate_would_and_ragged_entries_keep_theirs():
+    dataset = Detection(48)
+    [ours] = list(train_loader(_spec(dataset, holdout=0.0, chunk_size=48), 48, epochs=1, num_workers=0))
+    order = ours.indices.tolist()
+    images, targets = ours.data
+    reference = next(iter(DataLoader([dataset[i] for i in order], batch_size=48,
+                                     collate_fn=lambda b: (torch.utils.data.default_collate([x for x, _ in b]),
+                                                           [t for _, t in b]))))
+    assert type(images) is type(reference[0]) is torch.Tensor and torch.equal(images, reference[0])
+    for got, want in zip(targets["boxes"], [t["boxes"] for t in reference[1]]):
+        assert type(got) is tv_tensors.BoundingBoxes and torch.equal(got, want) and got.canvas_size == want.canvas_size
+
+
+def test_a_detection_model_trains_on_the_batches_of_its_usual_collate_fn():
+    from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_320_fpn
+
+    torch.manual_seed(0)
+    model = fasterrcnn_mobilenet_v3_large_320_fpn(weights=None, weights_backbone=None, num_classes=40, min_size=64,
+                                                  max_size=64)
+    model.train()
+    spec = _spec(Detection(32), transforms=v2.Compose([v2.RandomHorizontalFlip(), v2.ToDtype(torch.float32, scale=True)]),
+                 eval_transforms=v2.ToDtype(torch.float32, scale=True))
+    loader = train_loader(spec, 4, epochs=1, num_workers=0, collate_fn=lambda b: tuple(zip(*b)))
+    images, targets = next(iter(loader))
+    assert len(images) == 4 and all(type(t["boxes"]) is tv_tensors.BoundingBoxes for t in targets)
+    images[0].mul_(0.5)  # in place, as an augmentation in the loop would
+    losses = model(list(images), list(targets))
+    assert set(losses) >= {"loss_classifier", "loss_box_reg"} and all(torch.isfinite(v) for v in losses.values())
+    sum(losses.values()).backward()
+    val = eval_loader(spec, 4, collate_fn=lambda b: tuple(zip(*b)))
+    model.eval()
+    with torch.no_grad():
+        [(held, predictions)] = [(images, model(list(images))) for images, _ in list(val)[:1]]
+    assert len(predictions) == len(held) > 0 and all("boxes" in p for p in predictions)
+
+
+def test_a_sample_whose_tv_type_changes_is_refused_and_collate_fn_must_be_callable():
+    class Switching(Detection):
+        def __getitem__(self, i):
+            image, target = super().__getitem__(i)
+            return (image if i != 20 else image.as_subclass(torch.Tensor)), target
+
+    with pytest.raises(StructureError, match=r"sample 20, leaf '0' is a Tensor, but earlier samples' is a Image"):
+        list(train_loader(_spec(Switching(40), holdout=0.0), 8, epochs=1, num_workers=0))
+    with pytest.raises(ConfigError, match="collate_fn=3 is not callable"):
+        train_loader(_spec(Detection(8)), 4, collate_fn=3)
