@@ -198,7 +198,7 @@ def test_two_trials_of_two_train_workers_share_one_group_and_split_each_epoch(ra
     seen = {(int(e), int(i)) for ranks in records.values() for r in ranks.values() for row in r
             for e, i, rep in zip(row["stream_epochs"], row["indices"], row["repeats"]) if rep == 0}
     assert report["samples_prepared"] == len(seen) == stream_samples(starts.values(), 2, n, spec.chunk_size), report
-    assert report["samples_served"] == 2 * 2 * 2 * n, "each rank fetched every piece of its trial's epochs"
+    assert report["samples_served"] == 2 * 2 * n, "two trials' two epochs: the ranks of a trial read its epoch once"
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
@@ -256,7 +256,7 @@ def test_the_ready_trainable_trains_with_ddp_on_two_workers_from_yaml(ray_sessio
     assert sorted(starts) == sorted(t["trial"] for t in trials), group
     # One pass over the stream for both trials' four ranks, from the first start to the later one's end.
     assert group["samples_prepared"] == stream_samples(starts.values(), 3, n, spec.chunk_size), group
-    assert group["samples_served"] == 2 * 2 * 3 * n, group
+    assert group["samples_served"] == 2 * 3 * n, group  # the two ranks of a trial count as its one epoch
     assert sorted(kept) == sorted(t["trial"] for t in trials), kept
     assert all(len(c) == 2 for c in kept.values()), f"the newest two of three checkpoints are kept: {kept}"
     assert live_coordprep_actors() == []

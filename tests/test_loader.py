@@ -169,3 +169,12 @@ def test_eval_loader_is_a_full_pass_at_every_iter_and_knows_its_length(small_dat
     assert all(np.array_equal(a, b) for a, b in zip(first, second))
     with pytest.raises(ConfigError, match="batch_size=0"):
         eval_loader(spec, batch_size=0)  # at the call, not at the first batch
+
+
+def test_an_iterator_made_and_never_read_takes_no_epoch(spec):
+    """Lightning calls iter() once to check that a loader is iterable, and drops the iterator."""
+    loader = train_loader(spec, 16, epochs=2, num_workers=0)
+    iter(loader)
+    first = list(loader)
+    assert loader.epoch == 1 and set(torch.cat([b.stream_epochs for b in first]).tolist()) == {0}
+    assert len(list(loader)) == len(first) and loader.epoch == 2  # both declared epochs are still there

@@ -59,6 +59,9 @@ class _NodeStream:
     def ready(self, k: int = 1) -> bool:
         return True
 
+    def begin_epoch(self, epoch: int) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -18,8 +18,11 @@ from tests.harness import assert_exactly_once
 PIECE = 100  # bytes per full piece in these tests
 
 
-def _buffer(plan: StreamPlan, pieces_budget: int, lookahead: int = 100) -> StagingBuffer:
-    return StagingBuffer(pieces_budget * PIECE, plan.next_join_point, lookahead)
+def _buffer(plan: StreamPlan, pieces_budget: int, lookahead: int = 100, fenced: bool = False) -> StagingBuffer:
+    """``fenced``: as the coordinator builds it, production runs ahead of an undeclared trial only
+    into the epochs it has begun."""
+    return StagingBuffer(pieces_budget * PIECE, plan.next_join_point, lookahead,
+                         epoch_pieces=plan.chunks_per_epoch if fenced else None)
 
 
 def test_first_join_starts_at_zero_and_skips_unwanted_pieces():
@@ -264,11 +267,12 @@ def _check_step(buf: StagingBuffer, plan: StreamPlan, trials: dict[str, _Trial],
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, n=st.integers(1, 40), chunk=st.integers(1, 6), segments=st.integers(1, 6),
-       budget=st.integers(1, 6), lookahead=st.integers(1, 4), seed=st.integers(0, 3))
-def test_exactly_once_freeing_and_liveness_under_random_schedules(ops, n, chunk, segments, budget, lookahead, seed):
+       budget=st.integers(1, 6), lookahead=st.integers(1, 4), seed=st.integers(0, 3), fenced=st.booleans())
+def test_exactly_once_freeing_and_liveness_under_random_schedules(ops, n, chunk, segments, budget, lookahead, seed,
+                                                                  fenced):
     ids = np.arange(n) * 3 + 1
     plan = StreamPlan(ids, seed, chunk, segments)
-    buf = _buffer(plan, budget, lookahead)
+    buf = _buffer(plan, budget, lookahead, fenced)
     trials: dict[str, _Trial] = {}
     finished: list[_Trial] = []
     in_flight: list[int] = []
@@ -393,6 +397,27 @@ def test_a_trial_that_declares_its_epochs_gets_nothing_past_them():
     assert produced == list(range(10)), "production stops at the end of the only trial's epoch"
     _, start = buf.join("b")  # an open-ended trial joining now still gets pieces past a's end
     assert buf.wanted() and buf.reserve(PIECE).g == 10 and "a" not in buf.slots[10].waiting
+
+
+def test_a_trial_without_declared_epochs_gets_nothing_past_the_epoch_it_began():
+    """Lightning and early stopping leave epochs unset: the group prepares an epoch only once the
+    trial begins it (its first request there), so nothing is prepared past its last epoch."""
+    plan = StreamPlan(np.arange(40), 0, chunk_size=4, segments=5)  # 10 pieces an epoch
+    buf = _buffer(plan, 1000, lookahead=100, fenced=True)
+    buf.join("a")
+    produced = []
+    while buf.wanted():
+        produced.append(buf.reserve(PIECE).g)
+    assert produced == list(range(10)), "its first epoch, then nothing it has not begun"
+    for g in range(10):
+        buf.request("a", g)
+    assert not buf.wanted()
+    buf.request("a", 10)  # it begins its second epoch
+    while buf.wanted():
+        produced.append(buf.reserve(PIECE).g)
+    assert produced == list(range(20))
+    _, start = buf.join("b", pieces=3 * plan.chunks_per_epoch)  # a declared trial: production runs ahead for it
+    assert buf.wanted() and buf.reserve(PIECE).g == 20 and "a" in buf.slots[20].waiting, "a still reads it"
 
 
 def test_a_joiner_past_the_head_is_served_when_the_head_trials_leave():
@@ -547,10 +572,11 @@ def test_keep_bytes_caps_the_kept_pieces_lowest_first():
 @given(ops=ops, n=st.integers(1, 40), chunk=st.integers(1, 6), segments=st.integers(1, 6),
        budget=st.integers(1, 6), lookahead=st.integers(1, 4), seed=st.integers(0, 3))
 def test_keeping_pieces_under_random_schedules(ops, n, chunk, segments, budget, lookahead, seed):
-    """The random-schedule property test, with every unfetched piece kept from the start (the
-    coordinator's setting) on top of the ``keep`` op's changes."""
+    """The random-schedule property test, with every unfetched piece kept from the start and
+    production fenced at the epochs undeclared trials began (the coordinator's settings), on top of
+    the ``keep`` op's changes."""
     test_exactly_once_freeing_and_liveness_under_random_schedules.hypothesis.inner_test(
-        [("keep", 6)] + ops, n, chunk, segments, budget, lookahead, seed)
+        [("keep", 6)] + ops, n, chunk, segments, budget, lookahead, seed, True)
 
 
 def _check_kept(buf: StagingBuffer, plan: StreamPlan) -> None:
@@ -598,7 +624,7 @@ def test_liveness_on_long_seeded_schedules(block):
         ops = [(op, rng.randint(1 if op == "budget" else 0, top))
                for op, top in rng.choices(_OPS, weights=weights, k=300)]
         args = (rng.randint(1, 40), rng.randint(1, 6), rng.randint(1, 6), rng.randint(1, 6), rng.randint(1, 4),
-                rng.randint(0, 3))
+                rng.randint(0, 3), seed % 2 == 0)
         test_exactly_once_freeing_and_liveness_under_random_schedules.hypothesis.inner_test(ops, *args)
 
 

@@ -113,7 +113,8 @@ class Coordinator(Producer):
         # be the dataset's smallest (a length-sorted speech set), so the first piece is sized alone.
         self.buffer = StagingBuffer(budget_bytes, self.plan.next_join_point, lookahead, keep_bytes=None,
                                     sample_bytes=found.sample_bytes,
-                                    calibrate=any(leaf.kind != "dense" for leaf in found.layout.leaves))
+                                    calibrate=any(leaf.kind != "dense" for leaf in found.layout.leaves),
+                                    epoch_pieces=self.plan.chunks_per_epoch)
         self.probe_bytes = found.sample_bytes  # for the warning when the real bytes outgrow the budget
         self.oversized = False  # warned that one piece outgrew the budget
         self.actors = actors
@@ -280,8 +281,9 @@ class Coordinator(Producer):
             raise PrepError(f"trial {trial}: preparing piece {g} (epoch {self.plan.locate(g)[0]}) failed: {slot.payload}")
         ref, n = slot.payload
         self.buffer.fetched(trial, g, n)
-        self.stats["samples_served"] += n
-        metrics.inc("samples_served", n, group=self.group, trial=trial)
+        if _counts_served(trial):
+            self.stats["samples_served"] += n
+            metrics.inc("samples_served", n, group=self.group, trial=trial)
         await self._notify()
         return {"status": "ok", "ref": ref}
 
@@ -359,3 +361,9 @@ class Coordinator(Producer):
         metrics.set_gauge("consumers", 0, group=self.group)  # the gauges outlive this actor in the agent
 
 
+def _counts_served(consumer: str) -> bool:
+    """Whether the samples ``consumer`` fetches count as served. Every rank of a data-parallel trial
+    (consumer ``<trial>@<rank>``) fetches every piece and keeps its share of the rows, so the ranks
+    together read the trial's epoch once: rank 0's fetches count it, the other ranks' none (the
+    sharing factor, served over prepared, is then the real saving)."""
+    return "@" not in consumer or consumer.rsplit("@", 1)[1] == "0"

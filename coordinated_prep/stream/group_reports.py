@@ -38,6 +38,18 @@ class Reports:
                 logger.warning("data group %s: no report: %s", key, e)
         return out
 
+    async def loader_stats(self, trial: str, loader: int, stats: dict[str, Any]) -> None:
+        """What a trial's loader measured so far (epochs read, data wait, stall), sent at the end of each
+        epoch (:class:`~coordinated_prep.trial.loader.TrainLoader`); a trial's first loader is kept.
+        Bounded by the trials of the sweep."""
+        kept = self._loaders.get(trial)
+        if kept is None or kept[0] == loader:
+            self._loaders[trial] = (loader, dict(stats))
+
+    async def loader_reports(self) -> dict[str, dict[str, Any]]:
+        """Per trial (``<trial>@<rank>`` for a data-parallel rank): what its loader measured."""
+        return {trial: stats for trial, (_, stats) in self._loaders.items()}
+
     async def pools(self) -> dict[str, dict[str, Any]]:
         """Per node: prep actors, reserved CPUs, staging budget, and each live group's share of it."""
         return {node: {"prep_actors": len(p.actors), "reserved_cpus": p.reserved_cpus, "budget_bytes": p.budget_bytes,

@@ -119,6 +119,7 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports):
         self._reaper: asyncio.Task | None = None  # drops ended runs every _REAP_S while there are runs
         self._closing: asyncio.Event | None = None  # set by shutdown: the reaper stops
         self._finished: dict[str, dict[str, Any]] = {}
+        self._loaders: dict[str, tuple[int, dict[str, Any]]] = {}  # trial -> (its first loader, what it measured)
         self._incarnation = itertools.count()
         self._locks: dict[str, asyncio.Lock] = {}
         self._indexes: dict[str, tuple[str, Fingerprint]] = {}  # dataset -> (first node, its index's fingerprint)

@@ -47,6 +47,16 @@ class Consumer:
         """Whether piece ``g`` is one this consumer still reads."""
         return self.floor <= g and (self.end is None or g < self.end)
 
+    def reads_past(self, g: int, epoch_pieces: int | None) -> bool:
+        """Whether this consumer will surely read some piece at or after ``g``: one it covers before
+        its declared end or, if it declared none, inside an epoch it has begun (asked a piece of;
+        its first epoch counts as begun). ``epoch_pieces`` None: any covered piece counts."""
+        g = max(g, self.floor)
+        if self.end is not None or epoch_pieces is None:
+            return self.end is None or g < self.end
+        begun = max(1, -(-(self.requested - self.start) // epoch_pieces))
+        return g < self.start + begun * epoch_pieces
+
     def first_needed(self, head: int) -> int | None:
         """The first piece at or after ``head`` it still reads, or None."""
         g = max(head, self.floor)

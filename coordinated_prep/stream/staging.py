@@ -37,6 +37,15 @@ Life cycle of a piece ``g`` (the legal transitions; nothing else changes a slot)
   consumer's range (join, leave, skip, reserve) it moves up to the first piece some consumer still
   needs (the pieces passed over are never prepared). Moving it after ``reserve`` matters when the
   piece just reserved was the last one a trial declared and the next reader starts further on.
+- A consumer that did not declare its end (``pieces`` None: a loader without ``epochs``, as Lightning
+  and loops with early stopping use) is a consumer of every piece from its start, but production
+  reserves the head only while some consumer will surely read a piece from the head on
+  (``epoch_pieces``): a declared consumer before its end, an undeclared one inside an epoch it has
+  begun (asked a piece of; its first epoch from its join). Pieces are prepared in order, so a
+  piece an undeclared consumer may never read is still prepared when a later one is surely read.
+  The trial asks for its next epoch's pieces only when it begins that epoch, so for a trial alone
+  nothing is prepared past the last epoch it reads: an undeclared end costs no pieces, only that
+  each epoch's first pieces are prepared once it begins (:meth:`~coordinated_prep.stream.slots.Consumer.reads_past`).
 - A consumer's requests for pieces it has passed over end at once (``skip_to`` drops them): a
   wait for a piece nobody will prepare would otherwise count it as starving and exempt it from the
   lease.
@@ -96,12 +105,15 @@ class StagingBuffer:
             left them unfetched (0: none, the default; None: up to the byte budget).
         sample_bytes: Bytes per sample the group's probe found (all views): the first
             :meth:`estimate`, raised by every piece that lands larger per sample.
+        epoch_pieces: Pieces per epoch, for consumers that do not declare their end (see the
+            module's docstring); None: production runs ahead for them as for any other.
         calibrate: Reserve nothing beside the first piece until a piece has landed with its real
             size (samples whose sizes the probe cannot vouch for: ragged or object leaves).
     """
 
     def __init__(self, budget_bytes: int, next_join_point: Callable[[int], int], lookahead: int = 8,
-                 keep_bytes: int | None = 0, sample_bytes: int = 1, calibrate: bool = False) -> None:
+                 keep_bytes: int | None = 0, sample_bytes: int = 1, calibrate: bool = False,
+                 epoch_pieces: int | None = None) -> None:
         if budget_bytes < 1 or lookahead < 1 or sample_bytes < 1:
             raise ValueError(f"budget_bytes={budget_bytes}, lookahead={lookahead} and sample_bytes={sample_bytes} "
                              "must be positive")
@@ -110,6 +122,7 @@ class StagingBuffer:
         self.sized = not calibrate  # whether a piece has landed with its real size (or none is needed)
         self.budget_bytes = budget_bytes
         self.lookahead = lookahead
+        self.epoch_pieces = epoch_pieces
         self.keep_bytes = keep_bytes
         self.pieces_kept = 0  # pieces kept after their consumers left them unfetched
         self.pieces_reused = 0  # kept pieces a later joiner took up
@@ -210,8 +223,11 @@ class StagingBuffer:
         return max((c.requested for c in self.consumers.values()), default=0)
 
     def wanted(self) -> bool:
-        """Whether some registered trial needs the head piece, and it is within the lookahead."""
-        return self.head < self.demand + self.lookahead and any(c.covers(self.head) for c in self.consumers.values())
+        """Whether some registered trial needs the head piece, some trial will surely read a piece from
+        it on (:meth:`Consumer.reads_past`: pieces are prepared in order), and it is within the lookahead."""
+        consumers = self.consumers.values()
+        return (self.head < self.demand + self.lookahead and any(c.covers(self.head) for c in consumers)
+                and any(c.reads_past(self.head, self.epoch_pieces) for c in consumers))
 
     def starving(self) -> set[str]:
         """The consumers waiting for a piece that is not prepared yet (at or past the head: a request

@@ -76,13 +76,14 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1, resume: bool = False,
         results = tuner.fit()
         if searcher is not None and (not resume or searcher.attach()):
             reports = {"groups": searcher.group_reports(), "caches": searcher.cache_reports(),
-                       "evals": searcher.eval_reports(), "decoded": searcher.decoded_reports()}
+                       "evals": searcher.eval_reports(), "decoded": searcher.decoded_reports(),
+                       "loaders": searcher.loader_reports()}
         elif searcher is not None:  # Tune's restored copy of the searcher wrote them at its last checkpoint
             reports = saved_reports(path)
     finally:
         if searcher is not None:
             searcher.close()
-    trials = [_trial_row(r, cfg.metric) for r in results]
+    trials = [_measured(_trial_row(r, cfg.metric), reports.get("loaders") or {}) for r in results]
     # Tune stops the trials it was running when interrupted (Ctrl-C): the grid then calls them
     # TERMINATED, but the state it saved for a resume has them RUNNING or PENDING (and those a
     # scheduler paused, PAUSED). A sweep that ended by itself has none running or pending; its saved
@@ -230,6 +231,17 @@ def error_kind(error: BaseException | None) -> str | None:
             return "config"
         error, seen = getattr(error, "cause", None) or error.__cause__, seen + 1
     return None if seen == 0 else "other"
+
+
+def _measured(row: dict[str, Any], loaders: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``row`` with the columns its trainable did not report (epochs, data wait, stall) filled from
+    what the trial's loader measured itself (rank 0's for a data-parallel trial)."""
+    measured = loaders.get(row["trial"]) or loaders.get(f"{row['trial']}@0")
+    if measured:
+        for column in ("epochs", "data_wait_s", "stall_fraction"):
+            if row.get(column) is None:
+                row[column] = measured.get(column)
+    return row
 
 
 def _trial_row(result: Any, metric: str) -> dict[str, Any]:

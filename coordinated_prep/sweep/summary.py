@@ -17,7 +17,9 @@ def build_summary(trials: Sequence[Mapping[str, Any]], groups: Mapping[str, Mapp
     """Assemble the summary from per-trial rows and the searcher's reports (data groups, node caches,
     evaluation sets, decoded tiers); ``coordinated``: whether the sweep ran a prep pool
     (``data.coordinated``)."""
-    scored = [t for t in trials if isinstance(t.get(metric), (int, float)) and not math.isnan(t[metric])]
+    scored = sorted((t for t in trials if isinstance(t.get(metric), (int, float)) and not math.isnan(t[metric])),
+                    key=lambda t: str(t.get("trial")))
+    # the first of equals in trial-id order (as ``coordprep best`` picks)
     best = (max if mode == "max" else min)(scored, key=lambda t: t[metric]) if scored else None
     group_rows = {}
     for key, g in groups.items():

@@ -20,7 +20,7 @@ from coordinated_prep.trial.echo import EchoCounts, EchoSpec, echoed, epoch_rng
 from coordinated_prep.trial.eval_loader import EvalLoader, check_collate, eval_loader  # noqa: F401  (re-exported)
 from coordinated_prep.trial.pinning import _accelerator, pinned
 from coordinated_prep.trial.shard import Shard, ShardBatcher, filled, planned_len, rank_counts, rank_steps
-from coordinated_prep.trial.streams import PieceStream, PrivateStream, SharedStream, has_registry
+from coordinated_prep.trial.streams import PieceStream, PrivateStream, SharedStream, find_registry, has_registry
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,9 @@ class TrainLoader:
         self._seed = seed
         self._pin = pin_memory and _accelerator("train_loader")
         self.collate_fn = collate_fn
+        self.epochs_read = 0  # epochs read to their end
+        self.epoch_wall_s = 0.0  # seconds from each read epoch's first request to its end, summed
+        self.sink: Any = None  # the sweep's registry, told what this loader measured after each epoch
         self.stats = BatchStats()  # batches cut, how many were copies, and the CPU they cost this trial
         self.echo_counts = EchoCounts()  # fresh and repeated samples, all epochs together
         self.epoch_counts = EchoCounts()  # the same, for the epoch being read (or the last one read)
@@ -140,6 +143,8 @@ class TrainLoader:
         it asks for the next; a loop that broke out early) ends that iterator: its next ``next()``
         raises ``StopIteration``. The samples it had not yielded are passed over, as a ``for`` loop
         that breaks passes them over: the new epoch is again exactly one pass over the training split.
+        An iterator made and never read (Lightning makes one to check that the loader is iterable)
+        takes no epoch: the epoch is claimed at its first ``next()``.
 
         Raises:
             ConfigError: Past the declared epochs.
@@ -150,8 +155,7 @@ class TrainLoader:
         if self.epochs is not None and self.epoch >= self.epochs:
             raise ConfigError(f"train_loader: epoch {self.epoch + 1} requested, but the loader was created with "
                               f"epochs={self.epochs}; raise epochs or leave it unset")
-        epoch, self.epoch = self.epoch, self.epoch + 1
-        batches = pinned(self._batches(epoch)) if self._pin else self._batches(epoch)
+        batches = pinned(self._batches()) if self._pin else self._batches()
         if self.collate_fn is not None:  # on the loop's thread: a collate that draws (mixup) draws between its steps
             batches = (batch.collated(self.collate_fn) for batch in batches)
         batches = self._timed(batches)
@@ -159,23 +163,59 @@ class TrainLoader:
         return batches
 
     def _timed(self, batches: Iterator[Batch]) -> Generator[Batch, None, None]:
-        while True:
-            t0 = time.perf_counter()
-            batch = next(batches, None)
-            waited = time.perf_counter() - t0
-            self.data_wait_s += waited
-            metrics.inc("data_wait_seconds", waited, **self._tags)
-            if batch is None:
-                return
-            metrics.inc("batches", 1, **self._tags)
-            fresh = self.epoch_counts.add(batch)
-            self.echo_counts.add_counts(fresh, len(batch))
-            metrics.inc("fresh_samples", fresh, **self._tags)
-            metrics.inc("echoed_samples", len(batch) - fresh, **self._tags)
-            yield batch
+        began = last = time.perf_counter()
+        try:
+            expected: int | None = len(self)
+        except TypeError:  # echo="auto": the count varies
+            expected = None
+        yielded, read = 0, False
+        try:
+            while True:
+                t0 = time.perf_counter()
+                batch = next(batches, None)
+                last = time.perf_counter()
+                waited = last - t0
+                self.data_wait_s += waited
+                metrics.inc("data_wait_seconds", waited, **self._tags)
+                if batch is None:
+                    read = True
+                    self._epoch_read(last - began)
+                    return
+                metrics.inc("batches", 1, **self._tags)
+                fresh = self.epoch_counts.add(batch)
+                self.echo_counts.add_counts(fresh, len(batch))
+                metrics.inc("fresh_samples", fresh, **self._tags)
+                metrics.inc("echoed_samples", len(batch) - fresh, **self._tags)
+                yielded += 1
+                yield batch
+        finally:  # a loop that stops after len(loader) batches (Lightning) has read the epoch too
+            if not read and yielded and yielded == expected:
+                self._epoch_read(last - began)
 
-    def _batches(self, epoch: int) -> Iterator[Batch]:
+    def _epoch_read(self, wall_s: float) -> None:
+        """An epoch was read to its end, ``wall_s`` after its first request: counted, and told to the sweep."""
+        self.epochs_read += 1
+        self.epoch_wall_s += wall_s
+        self._tell_sink()
+
+    @property
+    def stall_fraction(self) -> float | None:
+        """Share of the epochs read spent waiting for batches (None before the first epoch ends)."""
+        return self.data_wait_s / self.epoch_wall_s if self.epoch_wall_s > 0 else None
+
+    def _tell_sink(self) -> None:
+        """Send the sweep what this loader measured, unawaited: the summary fills the columns a
+        trainable of the user's does not report from it (``coordprep sweep``)."""
+        if self.sink is not None:
+            self.sink.loader_stats.remote(self._tags["trial"], id(self), {
+                "epochs": self.epochs_read, "data_wait_s": self.data_wait_s, "stall_fraction": self.stall_fraction})
+
+    def _batches(self) -> Iterator[Batch]:
+        # The epoch is claimed when the iterator first runs: an iterator made and dropped unread
+        # (Lightning's check that a loader is iterable) takes no epoch.
+        epoch, self.epoch = self.epoch, self.epoch + 1
         first = self._stream.start + epoch * self._stream.chunks_per_epoch
+        self._stream.begin_epoch(epoch)
         if self._stream.position < first:  # the previous epoch was cut short (break, max steps)
             self._stream.skip_to(first)  # its rest is passed over, so this epoch is again exactly one pass
         self.epoch_counts = EchoCounts()
@@ -225,9 +265,11 @@ def train_loader(
         config: The trial's config (the DataSpec under ``config[key]``); a bare DataSpec only
             with ``coordinated=False``.
         batch_size: Samples per batch; trials of one group may differ.
-        epochs: Epochs the trial will read, if known (a trial stopped early may leave sooner). With
-            it, the group prepares nothing past the last piece its trials read; without it, up to
-            ``lookahead`` pieces past the end are prepared and dropped when the trials leave.
+        epochs: Epochs the trial will read, if known (a trial stopped early may leave sooner); None
+            (Lightning, early stopping): it reads epoch after epoch, each ``iter()`` the next. Either
+            way the group prepares nothing past the last epoch its trials read: without it, an
+            epoch's pieces are asked for when the trial begins that epoch, so its first batch waits
+            for them unless another trial of the group is ahead (:mod:`coordinated_prep.stream.staging`).
         key: Config key of the DataSpec.
         prefetch: Pieces requested ahead; defaults to two batches' worth, at least two pieces.
         echo: Data echoing for this trial (:mod:`coordinated_prep.trial.echo`): ``1``/``"off"`` (default),
@@ -311,7 +353,10 @@ def train_loader(
 
 
 def _checked(loader: TrainLoader) -> TrainLoader:
-    """``loader``, unless its rank's share of an epoch is empty (drop_last with fewer samples than ranks)."""
+    """``loader``, unless its rank's share of an epoch is empty (drop_last with fewer samples than ranks);
+    in a Tune trial or Train worker of a sweep, it tells the sweep's registry what it measures."""
+    if loader.trial != _OUTSIDE_TUNE and has_registry():
+        loader.sink = find_registry(loader.trial)
     if loader.samples_per_epoch == 0:
         loader.close()
         raise ConfigError(f"train_loader: an epoch of {loader._stream.samples_per_epoch} samples over {loader.world} "

@@ -57,6 +57,10 @@ class PieceStream(Protocol):
         """Whether the next ``k`` pieces can be had without waiting for another process to prepare them."""
         ...
 
+    def begin_epoch(self, epoch: int) -> None:
+        """The reader begins its epoch ``epoch`` (0 the first, from ``start``)."""
+        ...
+
     def close(self) -> None:
         """Release what the stream holds."""
         ...
@@ -101,6 +105,9 @@ class PrivateStream:
     def ready(self, k: int = 1) -> bool:
         """Always: this process prepares each piece when asked, and waits on nobody."""
         return True
+
+    def begin_epoch(self, epoch: int) -> None:
+        pass  # it prepares what it is asked for, when it is asked
 
     def next_piece(self) -> PreparedChunk:
         g, self._next = self._next, self._next + 1
@@ -156,6 +163,9 @@ class SharedStream:
         self._token: int = info["token"]
         self._next = self.start
         self._end = None if epochs is None else self.start + epochs * self.chunks_per_epoch
+        # Without declared epochs: requests stop at the end of the epoch begun (begin_epoch moves
+        # it), so the group prepares nothing past the last epoch the trial reads (staging's docstring).
+        self._fence = self.start + self.chunks_per_epoch if epochs is None else self._end
         if prefetch is None:  # the piece being cut and the next, or two batches' worth if batches are larger
             prefetch = max(2, 2 * math.ceil(batch_size / info["chunk_size"]))
         self._prefetch = max(1, prefetch)
@@ -253,15 +263,21 @@ class SharedStream:
         refs = [ref for _, ref in list(self._pending)[: max(1, k)]]
         if not refs:
             return True  # nothing left to read: next_piece fails at once, no waiting either
-        if len(refs) < k and (self._end is None or self._next < self._end):
+        if len(refs) < k and self._next < self._fence:
             return False  # more pieces than are requested (prefetch below a batch): not all at hand
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
         return len(done) == len(refs)
 
+    def begin_epoch(self, epoch: int) -> None:
+        """The trial begins its epoch ``epoch`` (0 the first): without declared epochs, its pieces may
+        now be requested, and the group prepares them."""
+        if self._end is None:
+            self._fence = max(self._fence, self.start + (epoch + 1) * self.chunks_per_epoch)
+
     def _request_ahead(self) -> None:
-        """Keep ``prefetch`` requests in flight (bounded), none past the declared epochs."""
+        """Keep ``prefetch`` requests in flight (bounded), none past the declared epochs or the epoch begun."""
         while len(self._pending) < self._prefetch:
-            if self._end is not None and self._next >= self._end:
+            if self._next >= self._fence:
                 break
             g, self._next = self._next, self._next + 1
             self._pending.append((g, self._coordinator.fetch.remote(self._trial, self._token, g, self._timeout)))
@@ -272,6 +288,8 @@ class SharedStream:
             return self._fallback.position, None
         self._request_ahead()
         if not self._pending:
+            if self._end is None:  # a reader that did not call begin_epoch: a bug of ours, not the user's
+                raise PrepError(f"trial {self._trial}: piece {self._next} read before its epoch began")
             raise PrepError(f"trial {self._trial}: read past the {self._end - self.start} pieces it declared "
                             "(train_loader's epochs); raise epochs or leave it unset")
         g, ref = self._pending.popleft()
@@ -327,6 +345,8 @@ def _leave_unawaited(coordinator: Any, consumer: str, token: int) -> None:
 
 def has_registry() -> bool:
     """Whether a group registry runs in this Ray job (a CoordinatedSearcher's or a PrepService's)."""
+    if not ray.is_initialized():
+        return False
     try:
         ray.get_actor(registry_name(ray.get_runtime_context().get_job_id()), namespace=NAMESPACE)
     except ValueError:

@@ -73,10 +73,10 @@ def best_trial(path: str, trial: str | None = None, metric: str | None = None,
     if not metric or mode not in ("min", "max"):
         raise ConfigError(f"{path}: the sweep's metric and mode are not saved there; pass them "
                           "(best_trial(path, metric='accuracy', mode='max'), or --metric and --mode)")
-    scored = [t for t in trials if _number(t.metrics.get(metric)) is not None]
+    scored = sorted((t for t in trials if _number(t.metrics.get(metric)) is not None), key=lambda t: t.trial)
     if not scored:
         raise ConfigError(f"{path}: no trial reported {metric!r}; its trials reported {_reported(trials)}")
-    pick = max if mode == "max" else min
+    pick = max if mode == "max" else min  # the first of equals in trial-id order, as the summary's
     return pick(scored, key=lambda t: _number(t.metrics[metric]))
 
 

@@ -174,7 +174,7 @@ class CoordinatedSearcher(SearchAlgorithm):
             return
         try:
             reports = {"groups": self.group_reports(), "caches": self.cache_reports(), "evals": self.eval_reports(),
-                       "decoded": self.decoded_reports()}
+                       "decoded": self.decoded_reports(), "loaders": self.loader_reports()}
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
             logger.warning("coordinated_prep: the data-group reports were not saved with this checkpoint: %s", e)
             return
@@ -219,6 +219,10 @@ class CoordinatedSearcher(SearchAlgorithm):
     def cache_reports(self) -> dict[str, dict[str, Any]]:
         """Per node: the raw-data cache's hits (local, remote), misses, storage reads and bytes held."""
         return self._ask("cache_reports") if self._cache is not None else {}
+
+    def loader_reports(self) -> dict[str, dict[str, Any]]:
+        """Per trial: what its loader measured (epochs read, data wait, stall), for any trainable."""
+        return self._ask("loader_reports")
 
     def decoded_reports(self) -> dict[str, dict[str, Any]]:
         """Per node: the decoded tier's hits, misses, waits, samples and bytes kept (:mod:`coordinated_prep.tier`)."""
