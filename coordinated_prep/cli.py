@@ -116,7 +116,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
         specs = preflight(cfg)  # every factory built, every data group's first samples prepared
         sys.stdout.write(f"{args.experiment}: valid ({cfg.num_samples} samples of {cfg.trainable}; {specs} data "
-                         f"spec{'s' if specs != 1 else ''} built and their first samples prepared)\n")
+                         f"spec{'s' if specs != 1 else ''} built and checked)\n")
         if cfg.gpu_auto is not None:
             sys.stdout.write(_gpu_auto_note() + "\n")
         return 0

@@ -44,7 +44,7 @@ def batch_digests(batch) -> np.ndarray:
         h = hashlib.blake2b(digest_size=8)
         for leaf in batch.leaves:
             row = leaf[i]
-            if isinstance(row, dict):  # a tv_tensor's metadata (a hidden leaf): format, canvas size
+            if row is None or isinstance(row, dict):  # a tv_tensor's metadata (a hidden leaf): format, canvas size
                 h.update(repr(sorted(row.items())).encode())
                 continue
             h.update(row.encode() if isinstance(row, str) else row.contiguous().view(-1).view(torch.uint8).numpy().tobytes()

@@ -11,7 +11,6 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 
 from coordinated_prep import ConfigError, DataSpec, eval_loader, train_loader
-from coordinated_prep.pipeline.structure import StructureError
 from tests.test_user_pipelines import Detection
 
 
@@ -90,13 +89,20 @@ def test_a_detection_model_trains_on_the_batches_of_its_usual_collate_fn():
     assert len(predictions) == len(held) > 0 and all("boxes" in p for p in predictions)
 
 
-def test_a_sample_whose_tv_type_changes_is_refused_and_collate_fn_must_be_callable():
+def test_a_sample_whose_boxes_are_a_plain_tensor_gets_them_back_plain_and_collate_fn_must_be_callable():
     class Switching(Detection):
+        """Boxes as BoundingBoxes, except sample 21's (a transform that unwrapped them for that sample)."""
+
         def __getitem__(self, i):
             image, target = super().__getitem__(i)
-            return (image if i != 20 else image.as_subclass(torch.Tensor)), target
+            if i == 21:
+                target["boxes"] = target["boxes"].as_subclass(torch.Tensor)
+            return image, {**target, "id": i}
 
-    with pytest.raises(StructureError, match=r"sample 20, leaf '0' is a Tensor, but earlier samples' is a Image"):
-        list(train_loader(_spec(Switching(40), holdout=0.0), 8, epochs=1, num_workers=0))
+    seen = []
+    list(train_loader(_spec(Switching(40), holdout=0.0), 8, epochs=1, num_workers=0, collate_fn=seen.extend))
+    types = {target["id"]: type(target["boxes"]) for _, target in seen}
+    assert len(types) == 40 and types.pop(21) is torch.Tensor, "sample 21's plain boxes stay plain"
+    assert set(types.values()) == {tv_tensors.BoundingBoxes}
     with pytest.raises(ConfigError, match="collate_fn=3 is not callable"):
         train_loader(_spec(Detection(8)), 4, collate_fn=3)

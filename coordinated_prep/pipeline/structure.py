@@ -95,8 +95,10 @@ class LeafSpec(NamedTuple):
     wrap: str | None = None
 
 
-#: Metadata a ``tv_tensors`` type carries besides its values, kept per sample in a hidden leaf.
-TV_METADATA = {"BoundingBoxes": ("format", "canvas_size", "clamping_mode"), "KeyPoints": ("canvas_size",)}
+#: Metadata a ``tv_tensors`` type carries besides its values, kept per sample in a hidden leaf (the
+#: attributes the type has, in this torchvision; ``clamping_mode`` where it has one).
+TV_METADATA = {"BoundingBoxes": ("format", "canvas_size", "clamping_mode"),
+               "KeyPoints": ("canvas_size", "clamping_mode")}
 
 
 def leaf_wrap(leaf: Any) -> str | None:
@@ -106,8 +108,8 @@ def leaf_wrap(leaf: Any) -> str | None:
     import torch
     from torchvision import tv_tensors
 
-    if isinstance(leaf, tv_tensors.TVTensor):
-        return type(leaf).__name__
+    if isinstance(leaf, tv_tensors.TVTensor):  # torchvision's own types; a subclass of the user's stays a tensor
+        return type(leaf).__name__ if type(leaf) is getattr(tv_tensors, type(leaf).__name__, None) else None
     if isinstance(leaf, torch.Tensor) or isinstance(leaf, str):
         return None
     if isinstance(leaf, bool):
@@ -121,12 +123,16 @@ def leaf_wrap(leaf: Any) -> str | None:
     return None
 
 
-def tv_metadata(leaf: Any) -> dict[str, Any]:
-    """The metadata of a ``tv_tensors`` leaf that has some (:data:`TV_METADATA`), as plain values."""
+def tv_metadata(leaf: Any) -> dict[str, Any] | None:
+    """The metadata of a ``tv_tensors`` leaf that has some (:data:`TV_METADATA`), as plain values; None
+    for a leaf of another type (a transform that returned a plain tensor there for this sample)."""
+    names = TV_METADATA.get(type(leaf).__name__)
+    if names is None:
+        return None
     out = {}
-    for name in TV_METADATA[type(leaf).__name__]:
-        value = getattr(leaf, name, None)
-        if value is not None:
+    for name in names:
+        if hasattr(leaf, name):  # None included (a clamping mode of None is one)
+            value = getattr(leaf, name)
             out[name] = value.name if hasattr(value, "name") else tuple(value) if name == "canvas_size" else value
     return out
 
@@ -147,6 +153,8 @@ def restore(spec: LeafSpec, value: Any, metadata: Mapping[str, Any] | None = Non
         return value.numpy()
     from torchvision import tv_tensors
 
+    if wrap in TV_METADATA and metadata is None:  # this sample's leaf was a plain tensor: it stays one
+        return value
     return getattr(tv_tensors, wrap)(value, **(metadata or {}))
 
 
@@ -190,7 +198,7 @@ class Layout:
             return list(leaves)
         out = list(leaves)
         for j, leaf in enumerate(self.leaves[: len(self.leaves) - len(self.described)]):
-            if leaf.kind == "ragged" and leaf.wrap is not None:
+            if leaf.kind == "ragged" and leaf.wrap not in _LOOSE:
                 metadata = self.metadata_of(j, leaves)
                 out[j] = [restore(leaf, x, metadata[i] if metadata is not None else None) for i, x in enumerate(leaves[j])]
         return out
@@ -230,10 +238,6 @@ class Layout:
                 f"{describe(self.tree)}; make the transform return the same structure for every sample")
         out: list[Any] = []
         for name, leaf, spec in zip(self.names, leaves, self.leaves):
-            if spec.wrap not in _LOOSE and leaf_wrap(leaf) != spec.wrap:
-                raise StructureError(
-                    f"{where}: sample {index}, leaf {name or 'the sample'!r} is a {type(leaf).__name__}, but earlier "
-                    f"samples' is a {spec.wrap or 'plain tensor'}; return one type there in every sample")
             value, dtype = to_array(leaf, index, name, where)
             if dtype != spec.dtype:
                 raise StructureError(
@@ -249,7 +253,7 @@ class Layout:
         return out
 
 
-#: Leaf kinds not checked sample by sample: a dataset may give a number as an int once and a NumPy scalar next.
+#: What a leaf's ``wrap`` says that needs no ``tv_tensors`` type back in a batch.
 _LOOSE = (None, "int", "float", "bool", "ndarray")
 
 

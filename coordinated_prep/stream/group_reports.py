@@ -40,10 +40,11 @@ class Reports:
 
     async def loader_stats(self, trial: str, loader: int, stats: dict[str, Any]) -> None:
         """What a trial's loader measured so far (epochs read, data wait, stall), sent at the end of each
-        epoch (:class:`~coordinated_prep.trial.loader.TrainLoader`); a trial's first loader is kept.
-        Bounded by the trials of the sweep."""
+        epoch (:class:`~coordinated_prep.trial.loader.TrainLoader`). Per trial the loader that has read
+        the most epochs is kept (a retry's new loader once it catches up; one loader of several
+        datasets), so a loader made anew for every epoch reports one. Bounded by the trials of the sweep."""
         kept = self._loaders.get(trial)
-        if kept is None or kept[0] == loader:
+        if kept is None or kept[0] == loader or stats.get("epochs", 0) >= kept[1].get("epochs", 0):
             self._loaders[trial] = (loader, dict(stats))
 
     async def loader_reports(self) -> dict[str, dict[str, Any]]:

@@ -5,8 +5,9 @@ each distinct DataSpec the search space can give (:meth:`~coordinated_prep.sweep
 every factory with its arguments (a misspelt argument fails here, not in every trial), then the
 pipeline, whose first training and held-out samples are prepared as a group's start prepares them
 (:func:`~coordinated_prep.pipeline.probe.probe`: a transform torchvision refuses, one that cannot be
-seeded, samples of varying structure). A ``UserWarning`` raised while a factory builds counts as an
-error here: it is how torchvision says an argument is out of range (``RandomResizedCrop`` with
+seeded, samples of varying structure; the built-in image pipeline's layout is known without reading).
+A ``UserWarning`` that torchvision raises while a factory builds counts as an error here: it is how
+torchvision says an argument is out of range (``RandomResizedCrop`` with
 ``scale=(1.7, 1.0)`` warns "Scale and ratio should be of kind (min, max)" and then crops something
 else than asked).
 """
@@ -68,12 +69,12 @@ def try_spec(spec: DataSpec, where: str = "data") -> None:
 def _build(factory: Factory, where: str) -> None:
     """``factory.build()`` with its UserWarnings raised (see the module's docstring)."""
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("error", category=UserWarning, module=r"torchvision\.")
         try:
             factory.build()
         except ConfigError as e:
-            raise ConfigError(f"{where}: {e}; fix the factory's args (a warning while building counts as an error "
-                              "in a dry run: it is how torchvision refuses an argument)") from None
+            raise ConfigError(f"{where}: {e}; fix the factory's args (a torchvision warning while building counts as "
+                              "an error in a dry run: it is how torchvision refuses an argument)") from None
 
 
 def describe_values(values: Mapping[str, Any]) -> str:

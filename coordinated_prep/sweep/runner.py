@@ -217,17 +217,19 @@ def _echo_name(value: Any) -> str:
 
 
 def error_kind(error: BaseException | None) -> str | None:
-    """``"config"`` for a trial that failed on its configuration or data (a :class:`ConfigError`,
-    a broken sample: what ``coordprep`` exits 2 for), ``"other"`` for any other error, None for none.
+    """``"config"`` for a trial that failed on its configuration or data (a :class:`ConfigError`, a
+    sample's structure, a broken sample, a dataset: what ``coordprep`` exits 2 for), ``"other"`` for
+    any other error (a prep actor or node lost, a timeout: a ``PrepError`` counts by its cause), None
+    for none.
 
     Tune hands back a trial's error as Ray wrapped it (``RayTaskError``, ``TuneError``): the cause is
     found along ``cause`` and ``__cause__``.
     """
-    from coordinated_prep.errors import CoordinatedPrepError
+    from coordinated_prep.errors import ConfigError, DatasetError, SampleError, StructureError
 
     seen = 0
     while error is not None and seen < 16:
-        if isinstance(error, CoordinatedPrepError):
+        if isinstance(error, (ConfigError, StructureError, SampleError, DatasetError)):
             return "config"
         error, seen = getattr(error, "cause", None) or error.__cause__, seen + 1
     return None if seen == 0 else "other"

@@ -102,8 +102,9 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         lines.append("No coordinated data groups (coordinated: false): every trial prepared its own data.")
     else:
         failed = sum(t.get("status") == "ERROR" for t in summary["trials"])
-        lines.append(f"No data group reported: the sweep was coordinated, but no trial read shared data "
-                     f"({failed} of {len(summary['trials'])} trials failed; their errors are above).")
+        why = (f"{failed} of {len(summary['trials'])} trials failed; their errors are above" if failed
+               else "no report of its data groups was kept")
+        lines.append(f"No data group reported: the sweep was coordinated, but no trial read shared data ({why}).")
     if summary.get("resumed"):
         lines.append("")
         lines.append("Resumed: the trials above are the whole sweep's; the figures below are this run's.")

@@ -74,6 +74,7 @@ class TrainLoader:
         self.collate_fn = collate_fn
         self.epochs_read = 0  # epochs read to their end
         self.epoch_wall_s = 0.0  # seconds from each read epoch's first request to its end, summed
+        self.read_wait_s = 0.0  # data_wait_s of the epochs read to their end
         self.sink: Any = None  # the sweep's registry, told what this loader measured after each epoch
         self.stats = BatchStats()  # batches cut, how many were copies, and the CPU they cost this trial
         self.echo_counts = EchoCounts()  # fresh and repeated samples, all epochs together
@@ -164,6 +165,7 @@ class TrainLoader:
 
     def _timed(self, batches: Iterator[Batch]) -> Generator[Batch, None, None]:
         began = last = time.perf_counter()
+        wait = 0.0
         try:
             expected: int | None = len(self)
         except TypeError:  # echo="auto": the count varies
@@ -176,10 +178,11 @@ class TrainLoader:
                 last = time.perf_counter()
                 waited = last - t0
                 self.data_wait_s += waited
+                wait += waited
                 metrics.inc("data_wait_seconds", waited, **self._tags)
                 if batch is None:
                     read = True
-                    self._epoch_read(last - began)
+                    self._epoch_read(last - began, wait)
                     return
                 metrics.inc("batches", 1, **self._tags)
                 fresh = self.epoch_counts.add(batch)
@@ -190,25 +193,31 @@ class TrainLoader:
                 yield batch
         finally:  # a loop that stops after len(loader) batches (Lightning) has read the epoch too
             if not read and yielded and yielded == expected:
-                self._epoch_read(last - began)
+                self._epoch_read(last - began, wait)
 
-    def _epoch_read(self, wall_s: float) -> None:
-        """An epoch was read to its end, ``wall_s`` after its first request: counted, and told to the sweep."""
+    def _epoch_read(self, wall_s: float, wait_s: float) -> None:
+        """An epoch was read to its end, ``wall_s`` after its first request, ``wait_s`` of it waiting:
+        counted, and told to the sweep."""
         self.epochs_read += 1
         self.epoch_wall_s += wall_s
+        self.read_wait_s += wait_s
         self._tell_sink()
 
     @property
     def stall_fraction(self) -> float | None:
-        """Share of the epochs read spent waiting for batches (None before the first epoch ends)."""
-        return self.data_wait_s / self.epoch_wall_s if self.epoch_wall_s > 0 else None
+        """Share of the epochs read to their end spent waiting for batches (None before the first ends)."""
+        return self.read_wait_s / self.epoch_wall_s if self.epoch_wall_s > 0 else None
 
     def _tell_sink(self) -> None:
         """Send the sweep what this loader measured, unawaited: the summary fills the columns a
         trainable of the user's does not report from it (``coordprep sweep``)."""
-        if self.sink is not None:
+        if self.sink is None:
+            return
+        try:  # also from a generator's finally, at any time (collected, interpreter exit): never raises
             self.sink.loader_stats.remote(self._tags["trial"], id(self), {
-                "epochs": self.epochs_read, "data_wait_s": self.data_wait_s, "stall_fraction": self.stall_fraction})
+                "epochs": self.epochs_read, "data_wait_s": self.read_wait_s, "stall_fraction": self.stall_fraction})
+        except Exception as e:  # noqa: BLE001 - Ray shut down, or the registry is gone: only a summary column lost
+            logger.debug("trial %s: loader figures not sent: %r", self._trial, e)
 
     def _batches(self) -> Iterator[Batch]:
         # The epoch is claimed when the iterator first runs: an iterator made and dropped unread
@@ -294,7 +303,9 @@ def train_loader(
             with its format and canvas size, an int label as an int; :meth:`Batch.samples`), and its
             result is the batch's :attr:`~Batch.data` (``for images, targets in loader`` unpacks it).
             Detection's ``lambda b: tuple(zip(*b))`` works. None: ``default_collate``'s structure, with
-            stacked leaves as views of the shared pieces. It runs on the loop's thread, after pinning.
+            stacked leaves as views of the shared pieces. It runs on the loop's thread, after pinning
+            (so a collate that draws, as mixup does, draws between the loop's steps): the leaves it
+            gets are pinned, and what it stacks itself is not.
 
     In a Ray Train worker (``TorchTrainer`` inside a Tune trial, or a run of Ray Train alone),
     rank ``r`` of ``k`` reads its disjoint share of each of the trial's epochs, the same number of

@@ -68,6 +68,9 @@ def best_trial(path: str, trial: str | None = None, metric: str | None = None,
             raise ConfigError(f"{path}: no trial {trial!r}; its trials are {sorted(t.trial for t in trials)}")
         return found[0]
     saved = _saved(path)
+    if metric is not None and metric != saved.get("metric") and mode is None:
+        raise ConfigError(f"{path}: metric={metric!r} is not the sweep's own ({saved.get('metric')!r}); say whether "
+                          "lower or higher is better with mode='min' or 'max' (--mode)")
     metric = metric or saved.get("metric")
     mode = mode or saved.get("mode")
     if not metric or mode not in ("min", "max"):

@@ -20,6 +20,7 @@ from coordinated_prep.tune.results import write_reports
 logger = logging.getLogger(__name__)
 
 _CALL_TIMEOUT_S = 60.0
+_SAVE_TIMEOUT_S = 10.0  # the reports saved with one of Tune's experiment checkpoints
 _PENDING_WITHOUT_LIMIT = 200  # what Tune allows a BasicVariantGenerator on a small cluster
 
 class CoordinatedSearcher(SearchAlgorithm):
@@ -102,7 +103,8 @@ class CoordinatedSearcher(SearchAlgorithm):
 
     def set_search_properties(self, metric: Optional[str], mode: Optional[str], config: Dict, **spec) -> bool:
         self._limit(_tune_max_concurrent_trials())
-        self._objective = (metric, mode)  # written with the reports: `coordprep best` ranks by them
+        # written with the reports (`coordprep best` ranks by them); else the inner searcher's own
+        self._objective = (metric or self._inner.metric, mode or getattr(self._inner, "mode", None))
         return self._inner.set_search_properties(metric, mode, config, **spec)
 
     def _limit(self, n: int | None) -> None:
@@ -114,6 +116,8 @@ class CoordinatedSearcher(SearchAlgorithm):
         """
         if not n:
             return
+        if not hasattr(self, "_max_concurrent"):  # a searcher pickled before this attribute (Tuner.restore)
+            self._max_concurrent = 0
         if self._max_concurrent and self._max_concurrent != n:
             raise ConfigError(f"max_concurrent_trials={n} (TuneConfig) and CoordinatedSearcher(max_concurrent="
                               f"{self._max_concurrent}) disagree; set one of them")
@@ -172,14 +176,15 @@ class CoordinatedSearcher(SearchAlgorithm):
         self._inner.save_to_dir(dirpath, **kwargs)
         if self._registry is None:
             return
-        try:
-            reports = {"groups": self.group_reports(), "caches": self.cache_reports(), "evals": self.eval_reports(),
-                       "decoded": self.decoded_reports(), "loaders": self.loader_reports()}
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+        names = {"groups": "reports", "caches": "cache_reports", "evals": "eval_reports", "decoded": "decoded_reports",
+                 "loaders": "loader_reports"}
+        refs = {key: getattr(self._registry, method).remote() for key, method in names.items()}
+        try:  # one wait for all, short: this runs on Tune's controller thread
+            answers = ray.get(list(refs.values()), timeout=_SAVE_TIMEOUT_S)
+            metric, mode = getattr(self, "_objective", (None, None))
+            write_reports(dirpath, {"metric": metric, "mode": mode, **dict(zip(refs, answers))})
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError, OSError) as e:
             logger.warning("coordinated_prep: the data-group reports were not saved with this checkpoint: %s", e)
-            return
-        metric, mode = getattr(self, "_objective", (None, None))
-        write_reports(dirpath, {"metric": metric, "mode": mode, **reports})
 
     def restore_from_dir(self, dirpath: str) -> None:
         self._ensure_registry()
