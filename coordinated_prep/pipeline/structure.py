@@ -65,19 +65,25 @@ def paths(tree: TreeDef, prefix: str = "") -> list[str]:
 
 def collate(tree: TreeDef, leaves: Sequence[Any]) -> Any:
     """The batch ``default_collate`` builds, given each leaf already collated, in order."""
-    it = iter(leaves)
-    return _build(tree, it)
+    return _build(tree, iter(leaves), as_collated=True)
 
 
-def _build(tree: TreeDef, it: Any) -> Any:
+def unflatten(tree: TreeDef, leaves: Sequence[Any]) -> Any:
+    """The sample of ``tree`` with ``leaves`` in order: :func:`flatten`'s inverse (a tuple stays a tuple)."""
+    return _build(tree, iter(leaves), as_collated=False)
+
+
+def _build(tree: TreeDef, it: Any, as_collated: bool) -> Any:
     kind = tree[0]
     if kind == "leaf":
         return next(it)
-    if kind in ("tuple", "list"):  # default_collate turns a tuple into a list
-        return [_build(c, it) for c in tree[1]]
+    if kind == "list" or kind == "tuple" and as_collated:  # default_collate turns a tuple into a list
+        return [_build(c, it, as_collated) for c in tree[1]]
+    if kind == "tuple":
+        return tuple(_build(c, it, as_collated) for c in tree[1])
     if kind == "namedtuple":
-        return tree[1](*(_build(c, it) for c in tree[2]))
-    values = {k: _build(c, it) for k, c in zip(tree[2], tree[3])}
+        return tree[1](*(_build(c, it, as_collated) for c in tree[2]))
+    values = {k: _build(c, it, as_collated) for k, c in zip(tree[2], tree[3])}
     try:
         return tree[1](values)
     except TypeError:  # a mapping type that cannot be built from a dict: a plain dict, as default_collate
@@ -331,29 +337,6 @@ def to_array(leaf: Any, index: int, name: str, where: str) -> tuple[np.ndarray |
             f"{where}: sample {index}, leaf {name or 'the sample'!r} is a {type(leaf).__name__}, which a batch cannot "
             "hold; end the transform with tensors, arrays, numbers or strings (v2.ToImage(), v2.PILToTensor())")
     return to_array(arr, index, name, where)
-
-
-def unflatten(tree: TreeDef, leaves: Sequence[Any]) -> Any:
-    """The sample of ``tree`` with ``leaves`` in order: :func:`flatten`'s inverse (a tuple stays a tuple)."""
-    it = iter(leaves)
-    return _unflatten(tree, it)
-
-
-def _unflatten(tree: TreeDef, it: Any) -> Any:
-    kind = tree[0]
-    if kind == "leaf":
-        return next(it)
-    if kind == "tuple":
-        return tuple(_unflatten(c, it) for c in tree[1])
-    if kind == "list":
-        return [_unflatten(c, it) for c in tree[1]]
-    if kind == "namedtuple":
-        return tree[1](*(_unflatten(c, it) for c in tree[2]))
-    values = {k: _unflatten(c, it) for k, c in zip(tree[2], tree[3])}
-    try:
-        return tree[1](values)
-    except TypeError:
-        return values
 
 
 def describe(tree: TreeDef) -> str:
