@@ -33,7 +33,9 @@ metrics export port (Ray adds its ``ray_`` prefix there; counters gain ``_total`
 Metric objects are created lazily in the process that records them, and recording never
 raises: metrics are an observer, not a dependency. A counter appears on the endpoint only once a
 process records it, so every counter the dashboard draws is declared at 0 where its series begins
-(:func:`declare`: the coordinator per group, the loader per trial, the node cache per node): on a
+(:func:`declare`: the coordinator per group and per trial that joins it, the loader per trial, the
+node cache per node; a trial's zero series comes from the coordinator too because the trial's process
+may exit within one report interval of its start): on a
 healthy sweep the error and echo panels show 0, not "No data". Each process exports on Ray's report interval
 (``metrics_report_interval_ms``), so what a trial records in its last interval before its process
 exits may never reach the endpoint; the coordinator's counters are complete while it lives.

@@ -169,8 +169,8 @@ def _exported_names() -> set[str]:
 
 def _scraped_sweep(tmp_path, spec: DataSpec, collect, done, **config) -> list:
     """Two recorded trials of ``spec`` with evaluation and a node cache, the endpoint scraped by
-    ``collect`` while they run (gauges leave with their actors), then until ``done()`` (bounded:
-    the last exports reach the endpoint on Ray's report interval). Returns the trials."""
+    ``collect`` while they run (gauges leave with their actors), then until ``done(trial_ids)``
+    (bounded: the last exports reach the endpoint on Ray's report interval). Returns the trials."""
     searcher = CoordinatedSearcher(cache=CacheSpec("8MiB"))
     with polling(collect):
         try:
@@ -180,9 +180,10 @@ def _scraped_sweep(tmp_path, spec: DataSpec, collect, done, **config) -> list:
                                 search_alg=searcher, verbose=0)
         finally:
             searcher.close()
+        ids = [t.trial_id for t in analysis.trials]
         pause = threading.Event()  # never set: a bounded wait, not a sleep standing in for synchronisation
         for _ in range(30):
-            if done():
+            if done(ids):
                 break
             pause.wait(0.5)
     return analysis.trials
@@ -199,7 +200,7 @@ def test_the_dashboard_names_only_metrics_a_real_sweep_exports(ray_session, tmp_
     spec = DataSpec(dataset=root, pipeline={"size": 16}, seed=2, chunk_size=8, on_error="skip")
     seen: set[str] = set()
     wanted = metric_names(dashboard())
-    trials = _scraped_sweep(tmp_path, spec, lambda: seen.update(_exported_names()), lambda: wanted <= seen,
+    trials = _scraped_sweep(tmp_path, spec, lambda: seen.update(_exported_names()), lambda ids: wanted <= seen,
                             epochs=2, echo="batch:2")
     assert all(t.status == "TERMINATED" for t in trials), [t.error_file for t in trials]
     assert len(wanted) >= 15, wanted
@@ -238,9 +239,11 @@ def test_the_dashboards_panels_have_series_zeros_included_on_a_sweep_with_no_err
     wanted = metric_names(dashboard())
     group = spec.group_key
 
-    def done() -> bool:  # this group's own zero series, not only the names (earlier tests' groups export those)
+    def done(ids: list[str]) -> bool:  # this group's and trials' own zero series (earlier tests' groups export the names)
         kinds = {labels for labels in seen.get("ray_coordprep_errors_total", ()) if f"('group', '{group}')" in labels}
-        return wanted <= set(seen) and all(any(f"('kind', '{k}')" in labels for labels in kinds) for k in ERROR_KINDS)
+        echoed = seen.get("ray_coordprep_echoed_samples_total", set())
+        return (wanted <= set(seen) and all(any(f"('kind', '{k}')" in labels for labels in kinds) for k in ERROR_KINDS)
+                and all(any(f"('trial', '{t}')" in labels for labels in echoed) for t in ids))
 
     trials = _scraped_sweep(tmp_path, spec, collect, done, epochs=2)
     assert all(t.status == "TERMINATED" for t in trials), [t.error_file for t in trials]

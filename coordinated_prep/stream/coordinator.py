@@ -176,6 +176,7 @@ class Coordinator(Producer):
         self.evicted.pop(trial, None)
         self.stats["trials_joined"] += 1
         self.stats["starts"][trial] = start  # the piece its first epoch starts on; bounded by the trials that joined
+        metrics.declare_trial(self.group, trial.split("#", 1)[0])  # here too: this process outlives the trial's
         if process is not None:
             for other in self.watch.add(trial, token, Process(*process)):
                 logger.info("group %s: Tune reused the actor of %s for trial %s; %s released",
@@ -219,6 +220,7 @@ class Coordinator(Producer):
         tokens = dict(zip(ids, joined[0]))
         for rank, consumer in ids.items():
             self.evicted.pop(consumer, None)
+            metrics.declare_trial(self.group, consumer)
             if ranks[rank] is not None:
                 for other in self.watch.add(consumer, tokens[rank], Process(*ranks[rank])):
                     self.buffer.leave(other)  # Tune reused that actor: its earlier trial is over
