@@ -161,3 +161,17 @@ def test_a_trial_failing_on_its_configuration_exits_2_and_the_summary_says_what_
     assert "coordinated: false" not in text and "no trial read shared data (1 of 1 trials failed" in text
     unshared = format_summary(build_summary(rows[1:], {}, "accuracy", "max", coordinated=False))
     assert "coordinated: false" in unshared
+
+
+def test_the_summary_says_where_sharing_did_not_pay_and_why():
+    from coordinated_prep.sweep.summary import build_summary, format_summary
+
+    groups = {"aaa": {"samples_prepared": 100, "samples_served": 200, "starts": {"t1": 0, "t2": 0}},
+              "bbb": {"samples_prepared": 100, "samples_served": 100, "starts": {"t3": 0}},
+              "ccc": {"samples_prepared": 200, "samples_served": 210, "starts": {"t4": 0, "t5": 9}},
+              "ddp": {"samples_prepared": 100, "samples_served": 100, "starts": {"t6": 0}, "trials_joined": 2}}
+    text = format_summary(build_summary([{"trial": "t1", "status": "TERMINATED"}], groups, "accuracy", "max"))
+    assert "Group aaa" not in text  # 2.00x: it paid
+    assert "Group bbb: saving 1.00x; one trial read it" in text
+    assert "Group ccc: saving 1.05x; 2 trials read it, but seldom at the same time" in text
+    assert "Group ddp: saving 1.00x; one trial read it" in text  # one trial's two ranks split its epoch

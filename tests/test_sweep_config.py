@@ -40,7 +40,7 @@ def _write(tmp_path, text: str) -> str:
 
 
 def test_every_example_in_experiments_is_valid():
-    for name in ("default", "asha", "unshared", "cached", "optuna", "pbt", "hyperband", "ddp"):
+    for name in ("default", "asha", "unshared", "cached", "optuna", "pbt", "hyperband", "ddp", "grid"):
         cfg = load_sweep(f"experiments/{name}.yaml")
         assert cfg.data.dataset == "builtin:shapes"
 
@@ -287,8 +287,17 @@ def test_random_and_grid_are_tunes_variant_generator(tmp_path, search):
         base = base.replace("{uniform: [0.8, 0.95]}", "0.9").replace("{randint: [1, 4]}", "{grid: [1, 2]}")
     _, searcher = _search_algorithm(load_sweep(_write(tmp_path, base + search)))
     generator = searcher._inner
-    assert type(generator) is BasicVariantGenerator and generator.max_concurrent == 2
+    # The searcher applies the limit itself, around the suggestions it pulls ahead to order them by group.
+    assert type(generator) is BasicVariantGenerator and generator.max_concurrent == 0 and searcher._max_concurrent == 2
     assert searcher.searcher.max_concurrent == 2, "Tune's pending-trial limit follows max_concurrent_trials"
+    assert searcher._order.window > 1
+
+
+def test_search_order_tune_keeps_tunes_order(tmp_path):
+    cfg = load_sweep(_write(tmp_path, GOOD + "search: {type: random, order: tune}\n"))
+    assert cfg.search.order == "tune"
+    _, searcher = _search_algorithm(cfg)
+    assert searcher._order.window == 1 and searcher._max_concurrent == 2
 
 
 def test_a_seed_repeats_the_random_search(tmp_path):
@@ -308,7 +317,8 @@ def test_a_seed_repeats_the_random_search(tmp_path):
     ("{type: bayes}", r"search.type='bayes' must be one of \['random', 'grid', 'optuna', 'hyperopt'\]"),
     ("{type: optuna, seed: -1}", r"search.seed=-1 must be an integer >= 0"),
     ("{type: optuna, seed: 1.5}", r"search.seed=1.5 must be an integer >= 0"),
-    ("{type: optuna, sampler: tpe}", r"search: unknown key\(s\) \['sampler'\]; allowed: \['type', 'seed'\]"),
+    ("{type: optuna, sampler: tpe}", r"search: unknown key\(s\) \['sampler'\]; allowed: \['type', 'seed', 'order'\]"),
+    ("{type: random, order: fifo}", r"search.order='fifo' must be 'group' \(a data group's trials run together\) or 'tune'"),
     ("optuna", r"search must be a mapping"),
     ("{type: optuna}", r"search_space.width: search.type=optuna cannot search a grid; write \{choice: \[8, 16\]\}"),
     ("{type: grid}", r"search_space.lr: search.type=grid takes only grid keys and constants, not loguniform"),

@@ -151,6 +151,37 @@ def test_tune_configs_max_concurrent_trials_is_honoured(ray_session, tmp_path):
         CoordinatedSearcher(max_concurrent=2)._limit(1)
 
 
+def _grouped_lifetime(config):
+    start = time.time()
+    time.sleep(0.5)  # long enough that trials started together overlap
+    tune.report({"start": start, "end": time.time(), "group": config["data"].group_key})
+
+
+def test_a_grids_trials_run_group_by_group(ray_session, small_dataset, tmp_path):
+    """Tune generates a YAML grid over two data groups as A, B, A, B (num_samples: 2); two at a
+    time, the searcher runs them as A, A, B, B. (How each suggestion's group is read, DataSpecs in
+    the grid included, is tested without Ray in tests/test_group_order.py.)"""
+    from coordinated_prep.sweep.data_space import DataSearch
+
+    a, b = _spec(small_dataset, seed=1), _spec(small_dataset, seed=2)
+    # as `coordprep sweep` builds it: the DataSpec made from each trial's data keys
+    search = DataSearch({"dataset": small_dataset, "pipeline": {"size": 32, "scale": [0.3, 1.0]}, "chunk_size": 8,
+                         "segments": 4, "lookahead": LOOKAHEAD}, ("data.seed",))
+    param_space = {"data.seed": tune.grid_search([1, 2]), "data": search.to_tune()}
+    searcher = CoordinatedSearcher()
+    tuner = tune.Tuner(tune.with_resources(_grouped_lifetime, {"cpu": 0.25}), param_space=param_space,
+                       tune_config=tune.TuneConfig(search_alg=searcher, max_concurrent_trials=2, num_samples=2),
+                       run_config=tune.RunConfig(verbose=0, storage_path=str(tmp_path)))
+    results = tuner.fit()
+    searcher.close()
+    assert not results.errors, results.errors
+    by_start = [r.metrics["group"] for r in sorted(results, key=lambda r: r.metrics["start"])]
+    assert sorted(by_start) == sorted([a.group_key, b.group_key] * 2)
+    assert by_start[0] == by_start[1] and by_start[2] == by_start[3], by_start  # Tune alone: A, B, A, B
+    spans = [(r.metrics["start"], r.metrics["end"]) for r in results]
+    assert max(sum(s <= t < e for s, e in spans) for t, _ in spans) <= 2, spans  # the limit still holds
+
+
 def test_a_sweeps_config_reused_outside_tune_prepares_in_process(small_dataset):
     """A sweep's best config (coordinated) trains again outside Tune, in this process."""
     best = {"data": _spec(small_dataset)}

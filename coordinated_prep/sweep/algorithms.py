@@ -199,16 +199,23 @@ class SearchSpec:
     the search space holds ``grid`` keys and constants, so that nothing is left to chance.
     ``optuna`` (Optuna's TPE sampler) and ``hyperopt`` (TPE) suggest each config from the results so
     far; they need their extra and take no ``grid`` keys. ``seed`` makes the suggestions repeatable.
+    ``order``: ``group`` (default) runs a ``random`` or ``grid`` sweep's trials data group by data
+    group, so that trials sharing a group run together; ``tune`` keeps Tune's order
+    (:class:`~coordinated_prep.CoordinatedSearcher`).
     """
 
     type: Literal["random", "grid", "optuna", "hyperopt"] = "random"
     seed: int | None = None
+    order: Literal["group", "tune"] = "group"
 
     def __post_init__(self) -> None:
         if not isinstance(self.type, str) or self.type not in SEARCH_MODULES:
             raise ConfigError(f"search.type={self.type!r} must be one of {list(SEARCH_MODULES)}")
         if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             raise ConfigError(f"search.seed={self.seed!r} must be an integer >= 0 (or left out)")
+        if self.order not in ("group", "tune"):
+            raise ConfigError(f"search.order={self.order!r} must be 'group' (a data group's trials run together) "
+                              "or 'tune' (Tune's own order)")
         require_extra(self.type, SEARCH_MODULES[self.type], f"search.type={self.type}")
 
     def check_space(self, space: Mapping[str, Any]) -> None:
@@ -258,7 +265,7 @@ def parse_scheduler(value: Any) -> SchedulerSpec:
 
 def parse_search(value: Any) -> SearchSpec:
     """The ``search:`` mapping as a SearchSpec."""
-    check_keys(value, ("type", "seed"), "search")
+    check_keys(value, ("type", "seed", "order"), "search")
     return SearchSpec(**value)
 
 

@@ -98,6 +98,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         lines.append(format_table(["group"] + (["searched data"] if searched else [])
                                   + ["dataset", "prepared", "served", "saving", "peak MiB", "fetch s", "decode+aug s",
                                      "put s", "detached", "released", "stall s", "nodes"], rows))
+        lines += sharing_notes(summary["groups"])
     elif not summary.get("coordinated", True):
         lines.append("No coordinated data groups (coordinated: false): every trial prepared its own data.")
     else:
@@ -147,6 +148,24 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         lines.append(f"Samples delivered by the caches: {hits}; storage reads: {cache_reads} by the caches, {past} "
                      f"by prep actors past them; hit rate {_num(rate, '{:.2f}')}")
     return "\n".join(lines)
+
+
+def sharing_notes(groups: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """A line per data group where sharing did not pay (saving under 1.5x), saying why."""
+    notes = []
+    for key, g in groups.items():
+        saving = g.get("saving")
+        joined = len(g.get("starts") or {}) or g.get("trials_joined", 0)  # trials (a data-parallel trial's ranks once)
+        if saving is None or saving >= 1.5:
+            continue
+        if joined <= 1:
+            why = "one trial read it: there was nothing to share"
+        else:
+            why = (f"{joined} trials read it, but seldom at the same time (each prepares what no one running "
+                   "beside it reads); run more of its trials at once (max_concurrent_trials), keep search.order: "
+                   "group, or make the data groups fewer")
+        notes.append(f"Group {key}: saving {saving:.2f}x; {why}.")
+    return notes
 
 
 def _num(value: Any, fmt: str = "{:.4f}") -> str:

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import logging
+import operator
+import os
 import sys
+import tempfile
 from typing import Any, Dict, Mapping, Optional
 
 import ray
+from ray import cloudpickle
+from ray.tune import PlacementGroupFactory
 from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter, SearchAlgorithm, Searcher, SearchGenerator
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -15,6 +20,8 @@ from coordinated_prep.errors import ConfigError
 from coordinated_prep.naming import NAMESPACE, registry_name
 from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.stream.registry import RegistryActor
+from coordinated_prep.tune.groups import group_of
+from coordinated_prep.tune.order import DEFAULT_WINDOW, GroupOrder
 from coordinated_prep.tune.results import write_reports
 
 logger = logging.getLogger(__name__)
@@ -22,6 +29,7 @@ logger = logging.getLogger(__name__)
 _CALL_TIMEOUT_S = 60.0
 _SAVE_TIMEOUT_S = 10.0  # the reports saved with one of Tune's experiment checkpoints
 _PENDING_WITHOUT_LIMIT = 200  # what Tune allows a BasicVariantGenerator on a small cluster
+ORDER_FILE = "coordprep_order.pkl"  # the suggestions held back, saved with Tune's experiment checkpoints
 
 class CoordinatedSearcher(SearchAlgorithm):
     """Wraps a Tune search algorithm and shares data preparation among the trials it suggests.
@@ -39,6 +47,14 @@ class CoordinatedSearcher(SearchAlgorithm):
     driver) starts or finds the registry before its restored trials run. One CoordinatedSearcher
     per driver process runs at a time.
 
+    With Tune's own grid and random variants (``searcher=None`` or a ``BasicVariantGenerator``,
+    whose ``max_concurrent`` it then applies itself), it also chooses *when* each
+    suggested trial runs, so that a data group's trials run together: it pulls up to
+    :data:`~coordinated_prep.tune.order.DEFAULT_WINDOW` suggestions ahead and releases first those
+    whose group has a trial running (Tune's grid order A, B, A, B runs as A, A, B, B). Which configs
+    are tried never changes, and no suggestion waits more than a written bound
+    (:mod:`coordinated_prep.tune.order`). A searcher passed in keeps its own order.
+
     Args:
         searcher: A Tune ``Searcher`` (e.g. OptunaSearch) or ``SearchAlgorithm``; default is Tune's
             random/grid variant generation (``BasicVariantGenerator``).
@@ -48,11 +64,16 @@ class CoordinatedSearcher(SearchAlgorithm):
             shared by every data group of the sweep; None (default): samples are read from storage.
         pool: The prep pool and staging budget of every node (a :class:`PoolSpec` or a mapping of
             its fields); default ``PoolSpec()``: one prep actor per CPU reserving half the CPUs.
+        order: ``"group"`` (default): Tune's grid and random variants run group by group, as above;
+            ``"tune"``: in Tune's own order.
     """
 
     def __init__(self, searcher: Searcher | SearchAlgorithm | None = None, *, max_concurrent: int = 0,
                  cache: CacheSpec | Mapping[str, Any] | None = None,
-                 pool: PoolSpec | Mapping[str, Any] | None = None) -> None:
+                 pool: PoolSpec | Mapping[str, Any] | None = None, order: str = "group") -> None:
+        if order not in ("group", "tune"):
+            raise ConfigError(f"CoordinatedSearcher: order={order!r} must be 'group' (a data group's trials run "
+                              "together) or 'tune' (Tune's own order)")
         if not isinstance(max_concurrent, int) or max_concurrent < 0:
             raise ConfigError(f"CoordinatedSearcher: max_concurrent={max_concurrent!r} must be an integer >= 0")
         if isinstance(cache, Mapping):
@@ -67,8 +88,15 @@ class CoordinatedSearcher(SearchAlgorithm):
             raise ConfigError(f"CoordinatedSearcher: pool={pool!r} must be a PoolSpec, a mapping or None, "
                               "e.g. pool=PoolSpec(actors=4, cpus=2)")
         self._pool = pool or PoolSpec()
+        # Looking ahead of Tune's variant generation (grid, random) changes nothing but the order, so
+        # this searcher applies its concurrency limit itself and pulls ahead. A model-based searcher
+        # asked ahead would suggest from fewer results: its suggestions go out as they come.
+        self._lookahead = searcher is None or isinstance(searcher, BasicVariantGenerator)
+        window = DEFAULT_WINDOW if self._lookahead and order == "group" else 1
+        self._order = GroupOrder(window=window, key=operator.attrgetter("trial_id"))
+        self._resolvers: Any = None  # tune.run's placeholder resolvers, read when it calls set_search_properties
         if searcher is None:
-            inner: SearchAlgorithm = BasicVariantGenerator(max_concurrent=max_concurrent)
+            inner: SearchAlgorithm = BasicVariantGenerator()
         elif isinstance(searcher, Searcher):
             limited = ConcurrencyLimiter(searcher, max_concurrent) if max_concurrent else searcher
             inner = SearchGenerator(limited)
@@ -78,6 +106,8 @@ class CoordinatedSearcher(SearchAlgorithm):
             inner = searcher
         else:
             raise ConfigError(f"CoordinatedSearcher: searcher={searcher!r} is not a Tune Searcher or SearchAlgorithm")
+        if isinstance(searcher, BasicVariantGenerator):  # its limit is applied here, around the look-ahead
+            max_concurrent, searcher.max_concurrent = searcher.max_concurrent, 0
         self._inner = inner
         self._max_concurrent = max_concurrent
         self._objective: tuple[str | None, str | None] = (None, None)  # Tune's metric and mode
@@ -86,15 +116,20 @@ class CoordinatedSearcher(SearchAlgorithm):
         # (tune_controller._get_max_pending_trials): trials would start one by one, about a second
         # apart, and short trials would miss each other. So a limiter is always on that chain; when
         # Tune's own generator does the searching, it is a marker that only carries the number.
-        limit = max_concurrent or (inner.max_concurrent if isinstance(inner, BasicVariantGenerator) else 0)
         self.searcher = getattr(inner, "searcher", None) or ConcurrencyLimiter(
-            Searcher(), max_concurrent=limit or _PENDING_WITHOUT_LIMIT)
+            Searcher(), max_concurrent=max_concurrent or _PENDING_WITHOUT_LIMIT)
         self._registry: Any = None
         self.session: str | None = None  # the Ray job id naming the registry, once started
 
     def __getstate__(self) -> dict[str, Any]:
         # Tune pickles the search algorithm with the Tuner (Tuner.restore): the registry is not kept.
-        return {**self.__dict__, "_registry": None}
+        return {**self.__dict__, "_registry": None, "_resolvers": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if "_order" not in state:  # a searcher pickled before suggestions were ordered (Tuner.restore)
+            self._lookahead = False
+            self._order = GroupOrder(window=1, key=operator.attrgetter("trial_id"))
 
     # -- Tune's SearchAlgorithm hooks, delegated ---------------------------------------------
     @property
@@ -102,7 +137,10 @@ class CoordinatedSearcher(SearchAlgorithm):
         return self._inner.metric
 
     def set_search_properties(self, metric: Optional[str], mode: Optional[str], config: Dict, **spec) -> bool:
-        self._limit(_tune_max_concurrent_trials())
+        run = _tune_run_locals()
+        limit = run.get("max_concurrent_trials")
+        self._limit(limit if isinstance(limit, int) and limit > 0 else None)
+        self._resolvers = run.get("placeholder_resolvers")
         # written with the reports (`coordprep best` ranks by them); else the inner searcher's own
         self._objective = (metric or self._inner.metric, mode or getattr(self._inner, "mode", None))
         return self._inner.set_search_properties(metric, mode, config, **spec)
@@ -121,8 +159,7 @@ class CoordinatedSearcher(SearchAlgorithm):
         if self._max_concurrent and self._max_concurrent != n:
             raise ConfigError(f"max_concurrent_trials={n} (TuneConfig) and CoordinatedSearcher(max_concurrent="
                               f"{self._max_concurrent}) disagree; set one of them")
-        if isinstance(self._inner, BasicVariantGenerator):
-            self._inner.max_concurrent = n
+        if self._lookahead:  # applied in next_trial
             self.searcher.max_concurrent = n  # the marker Tune sizes its pending trials by
         elif isinstance(self._inner, SearchGenerator):
             if not self._max_concurrent:
@@ -145,12 +182,24 @@ class CoordinatedSearcher(SearchAlgorithm):
         # values (a DataSpec) behind placeholders until the trial is added, so each trial finds its
         # group later, itself, through the registry.
         self._ensure_registry()
-        return self._inner.next_trial()
+        if self._lookahead and self._max_concurrent and self._order.running() >= self._max_concurrent:
+            return None
+        self._pull()
+        return self._order.release()
+
+    def _pull(self) -> None:
+        """Fill the window with the inner search algorithm's next suggestions, each with its data group."""
+        while self._order.room():
+            trial = self._inner.next_trial()
+            if trial is None:
+                return
+            self._order.offer(trial, group_of(trial.config, self._resolvers) if self._lookahead else None)
 
     def on_trial_result(self, trial_id: str, result: Dict) -> None:
         self._inner.on_trial_result(trial_id, result)
 
     def on_trial_complete(self, trial_id: str, result: Optional[Dict] = None, error: bool = False) -> None:
+        self._order.complete(trial_id)
         self._inner.on_trial_complete(trial_id, result=result, error=error)
         if self._registry is None:
             return
@@ -160,9 +209,10 @@ class CoordinatedSearcher(SearchAlgorithm):
             logger.warning("coordinated_prep: trial %s did not leave its data group cleanly: %s", trial_id, e)
 
     def is_finished(self) -> bool:
-        return self._inner.is_finished()
+        return self._inner.is_finished() and not len(self._order)
 
     def set_finished(self) -> None:
+        self._order.clear()  # held back, never given to Tune: the sweep ends without them
         self._inner.set_finished()
 
     def has_checkpoint(self, dirpath: str) -> bool:
@@ -174,6 +224,13 @@ class CoordinatedSearcher(SearchAlgorithm):
         # Tune calls this at each experiment checkpoint, last when the sweep ends; what it writes to
         # ``dirpath`` lands in the sweep's directory (``coordinated_prep.tune.results``).
         self._inner.save_to_dir(dirpath, **kwargs)
+        if self._lookahead:  # what was pulled ahead of the inner generator's saved state
+            for trial, _, _ in self._order.waiting():
+                # A Trial pickles only with resources, which Tune computes when it adds the trial
+                # (it computes them again then): a stand-in until that.
+                if trial.placement_group_factory is None:
+                    trial.placement_group_factory = PlacementGroupFactory([{"CPU": 1}])
+            _save_atomically(self._order, os.path.join(dirpath, ORDER_FILE))
         if self._registry is None:
             return
         names = {"groups": "reports", "caches": "cache_reports", "evals": "eval_reports", "decoded": "decoded_reports",
@@ -192,6 +249,14 @@ class CoordinatedSearcher(SearchAlgorithm):
         # its completions; the restored run reruns errored trials under their ids (resume_errored).
         ray.get(self._registry.restored.remote(), timeout=_CALL_TIMEOUT_S)
         self._inner.restore_from_dir(dirpath)
+        self._restore_order(dirpath)
+
+    def _restore_order(self, dirpath: str) -> None:
+        """Take back the suggestions that were held back when Tune saved ``dirpath``."""
+        path = os.path.join(dirpath, ORDER_FILE)
+        if self._lookahead and os.path.exists(path):
+            with open(path, "rb") as f:
+                self._order = cloudpickle.load(f)
 
     # -- data groups ------------------------------------------------------------------------
     def start(self) -> None:
@@ -284,22 +349,35 @@ class CoordinatedSearcher(SearchAlgorithm):
         logger.info("coordinated_prep: prep pools ready on %d node(s): %s", len(pools), pools)
 
 
-def _tune_max_concurrent_trials() -> int | None:
-    """``max_concurrent_trials`` of the ``tune.run`` (``Tuner.fit``) now calling the searcher, if any.
+def _tune_run_locals() -> dict[str, Any]:
+    """The local variables of the ``tune.run`` (``Tuner.fit``) now calling the searcher; {} if none.
 
-    Tune (2.x, ``ray.tune.tune.run``) wraps a ``Searcher`` in a ``ConcurrencyLimiter`` for it, but for a
-    ``SearchAlgorithm`` it logs a warning and drops the value, and it passes the value nowhere else.
-    So the searcher reads it from that call's frame, a few frames up from ``set_search_properties``.
+    Two are read there, a few frames up from ``set_search_properties``, because Tune (2.x,
+    ``ray.tune.tune.run``) passes them nowhere a search algorithm sees: ``max_concurrent_trials``,
+    which it wraps around a ``Searcher`` but drops with a warning for a ``SearchAlgorithm``, and
+    ``placeholder_resolvers``, which turn a suggested config's hidden values (a DataSpec) back into
+    objects (:mod:`coordinated_prep.tune.groups`).
     """
     frame = sys._getframe(1)
     for _ in range(8):
         if frame is None:
-            return None
+            return {}
         if frame.f_code.co_name == "run" and frame.f_globals.get("__name__") == "ray.tune.tune":
-            value = frame.f_locals.get("max_concurrent_trials")
-            return value if isinstance(value, int) and value > 0 else None
+            return dict(frame.f_locals)
         frame = frame.f_back
-    return None
+    return {}
+
+
+def _save_atomically(value: Any, path: str) -> None:
+    """Pickle ``value`` to ``path`` through a temporary file in its folder (never half written)."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-coordprep-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            cloudpickle.dump(value, f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def _destroy(registry: Any) -> None:

@@ -1,0 +1,175 @@
+"""The release order of suggested trials by data group (coordinated_prep.tune.order): pure logic,
+no Ray. Safety (every suggestion released once, none invented), liveness (each within the written
+bound, with no one else acting), and the grouping itself on Tune's natural grid order."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinated_prep.tune.order import GroupOrder
+
+
+def simulate(groups: list, limit: int, window: int = 32, patience: int = 32) -> list[set]:
+    """Tune's loop over a sweep whose suggestions have ``groups`` in this order, ``limit`` trials at
+    a time, each running until the oldest running one completes: the sets of groups running at
+    once, each time the running set is full or the suggestions are out."""
+    order = GroupOrder(window=window, patience=patience)
+    pending = list(enumerate(groups))
+    running: list[int] = []
+    together = []
+    while pending or len(order) or running:
+        while len(running) < limit:
+            while pending and order.room():
+                order.offer(*pending.pop(0))
+            item = order.release()
+            if item is None:
+                break
+            running.append(item)
+        together.append({groups[i] for i in running})
+        order.complete(running.pop(0))
+    return together
+
+
+def test_the_natural_grid_order_runs_each_groups_trials_together():
+    # A YAML grid over two crop scales with num_samples: 2, two trials at a time: Tune generates A, B, A, B.
+    assert simulate(list("ABAB"), limit=2)[0] == {"A"}
+    # Two at a time throughout a longer sweep: every full pair is one group's.
+    runs = simulate(list("ABCD") * 4, limit=2)
+    assert sum(len(groups) == 1 for groups in runs) >= len(runs) - 4, runs
+    # Without regrouping (a window of one suggestion) the same sweep never pairs a group.
+    assert all(len(groups) == 2 for groups in simulate(list("ABAB"), limit=2, window=1)[:2])
+
+
+def test_suggestions_without_a_group_keep_their_order():
+    order = GroupOrder(window=4)
+    for i in range(4):
+        order.offer(i, None)
+    assert [order.release() for _ in range(4)] == [0, 1, 2, 3]
+    assert order.release() is None
+
+
+def test_a_completed_trial_leaves_its_group_and_unknown_ids_are_ignored():
+    order = GroupOrder(window=4)
+    order.offer("a1", "A")
+    assert order.release() == "a1" and order.live() == {"A": 1} and order.running() == 1
+    order.complete("somebody else")
+    order.complete("a1")
+    assert order.live() == {} and order.running() == 0
+    with pytest.raises(ValueError, match="window=0"):
+        GroupOrder(window=0)
+
+
+def test_a_full_window_refuses_an_offer():
+    order = GroupOrder(window=1)
+    order.offer(1, "A")
+    assert not order.room()
+    with pytest.raises(RuntimeError, match="window of 1 is full"):
+        order.offer(2, "A")
+
+
+steps = st.lists(st.tuples(st.sampled_from(["offer", "release", "complete"]), st.integers(0, 3)), max_size=120)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=steps, window=st.integers(1, 6), patience=st.integers(0, 6))
+def test_every_suggestion_is_released_once_and_within_the_bound(steps, window, patience):
+    order = GroupOrder(window=window, patience=patience)
+    offered: dict[int, int] = {}  # suggestion -> releases done when it entered
+    released: list[int] = []
+    live: list[int] = []
+    n = 0
+    for action, g in steps:
+        if action == "offer" and order.room():
+            order.offer(n, g if g < 3 else None)
+            offered[n] = len(released)
+            n += 1
+        elif action == "release":
+            item = order.release()
+            if item is not None:
+                released.append(item)
+                live.append(item)
+        elif action == "complete" and live:
+            order.complete(live.pop(g % len(live)))
+        # Safety after each step: nothing invented or released twice; the rest still waits; the
+        # live groups are those of the released suggestions not complete.
+        assert len(set(released)) == len(released) and set(released) <= set(offered)
+        assert {item for item, _, _ in order.waiting()} == set(offered) - set(released)
+        assert order.running() == len(live)
+        # Liveness, as it goes: a waiting suggestion has not seen more than the bound go before it.
+        for item, _, _ in order.waiting():
+            assert len(released) - offered[item] <= order.bound
+    # Liveness with no one else acting: releases alone serve every waiting suggestion, each within the bound.
+    while len(order):
+        released.append(order.release())
+    assert sorted(released) == list(range(n))
+    for item, entered in offered.items():
+        assert released.index(item) - entered <= order.bound, (item, entered, released)
+
+
+# -- the group of a suggested config, as tune.run hides it behind placeholders ----------------------
+
+def _hidden(config):
+    """``config`` as a search algorithm sees it inside tune.run (placeholders), and the resolvers."""
+    from ray.tune.impl.placeholder import create_resolvers_map, inject_placeholders
+
+    resolvers = create_resolvers_map()
+    return inject_placeholders(config, resolvers), resolvers
+
+
+def test_a_suggestions_group_is_read_through_tunes_placeholders(tmp_path):
+    from ray import tune
+
+    from coordinated_prep import DataSpec
+    from coordinated_prep.sweep.data_space import DataSearch
+    from coordinated_prep.tune.groups import group_of
+
+    spec = DataSpec(dataset=str(tmp_path), pipeline={"size": 8}, seed=1)
+    config, resolvers = _hidden({"data": spec, "lr": 0.1})
+    assert config["data"] != spec, "tune.run hides a DataSpec"
+    assert group_of(config, resolvers) == (spec.group_key,)
+    assert group_of(config, None) is None  # unresolved: released in Tune's order
+    assert group_of({"nested": {"train": spec, "other": [spec]}}, None) == (spec.group_key,)
+    unshared = DataSpec(dataset=str(tmp_path), pipeline={"size": 8}, seed=1, coordinated=False)
+    assert group_of({"data": unshared}, None) is None
+
+    # A YAML sweep's data search is resolved from the trial's data keys.
+    search = DataSearch({"dataset": str(tmp_path), "pipeline": {"size": 8}}, ("data.seed",))
+    config, resolvers = _hidden({"data.seed": 7, "data": search.to_tune()})
+    [key] = group_of(config, resolvers)
+    assert key == search.spec({"data.seed": 7}).group_key != spec.group_key
+
+    # A user's own sample_from function is never called (it may draw from a global random state).
+    calls = []
+    config, resolvers = _hidden({"data": spec, "x": tune.sample_from(lambda _: calls.append(1) or 3)})
+    assert group_of(config, resolvers) == (spec.group_key,) and calls == []
+
+
+def test_suggestions_held_back_are_saved_with_tunes_checkpoint_and_restored(tmp_path):
+    """Tune saves the search algorithm at each experiment checkpoint and restores it on a resume:
+    the suggestions pulled ahead (no longer in the inner generator's state) come back with it."""
+    from ray import tune
+
+    from coordinated_prep import CoordinatedSearcher
+
+    tune.register_trainable("coordprep_order_test", tune.with_resources(lambda config: None, {"cpu": 0.5}))
+    experiment = {"sweep": {"run": "coordprep_order_test", "config": {"i": tune.grid_search(list(range(40)))}}}
+    first = CoordinatedSearcher(max_concurrent=2)
+    first.add_configurations(experiment)
+    first._pull()
+    released = [first._order.release() for _ in range(3)]
+    first.save_to_dir(str(tmp_path), session_str="s")
+    held = len(first._order)
+    assert held == 29  # a window of 32, 3 released
+
+    again = CoordinatedSearcher(max_concurrent=2)
+    again._inner.restore_from_dir(str(tmp_path))
+    again._restore_order(str(tmp_path))
+    assert again._order.running() == 3 and len(again._order) == held
+    rest = []
+    while not again.is_finished():
+        again._pull()
+        trial = again._order.release()
+        rest.append(trial.config["i"])
+    assert sorted([t.config["i"] for t in released] + rest) == list(range(40)), "a config lost or run twice"
