@@ -81,14 +81,19 @@ def build_parser() -> argparse.ArgumentParser:
     echo.add_argument("--variants", help="comma-separated variant names to run (default all; off is always run)")
     echo.add_argument("--out", help="directory for echo.csv, echo.json and echo.png (default <storage_path>/<name>)")
     echo.add_argument("--dry-run", action="store_true", help="validate the file and every variant's sweep, then stop")
-    convert = sub.add_parser("convert", help="write an ImageFolder as a Parquet dataset (record files)")
-    convert.add_argument("imagefolder", help="the ImageFolder directory, or builtin:shapes / builtin:shapes-large")
+    convert = sub.add_parser("convert", help="write a dataset as Parquet record files or WebDataset tar shards")
+    convert.add_argument("imagefolder", help="the dataset: an ImageFolder directory, tar shards (a folder of *.tar or "
+                                             "a pattern such as 'shards-{0000..0063}.tar'), a Parquet dataset, or "
+                                             "builtin:shapes / builtin:shapes-large")
     convert.add_argument("out", help="the output directory (created; must be empty unless --overwrite)")
     convert.add_argument("--shard-size", type=int, help="samples per shard file (default 1024)")
     convert.add_argument("--row-group-size", type=int,
                          help="samples per row group, the unit one random read fetches (default 16)")
     convert.add_argument("--overwrite", action="store_true",
-                         help="replace a Parquet dataset converted into OUT before (only its own files are removed)")
+                         help="replace a dataset converted into OUT before (only its own files are removed)")
+    convert.add_argument("--format", choices=("parquet", "tar"), default="parquet",
+                         help="parquet: record files with a manifest (default); tar: WebDataset shards "
+                              "(shard-NNNNNN.tar, <index>.<ext> and <index>.cls per sample)")
     dashboard = sub.add_parser("dashboard", help="install the Grafana dashboard of the coordprep_* metrics where the "
                                                  "running Ray cluster's Grafana loads it, or write it to --out")
     dashboard.add_argument("--out", help="write the dashboard JSON to this file (or into this directory) instead")
@@ -296,7 +301,15 @@ def _convert(args: argparse.Namespace) -> int:
              if value is not None}  # unset: the converter's defaults
     bar = _ProgressBar(sys.stderr, "converting")
     try:
-        result = convert_imagefolder(args.imagefolder, args.out, overwrite=args.overwrite, progress=bar.update, **sizes)
+        if args.format == "tar":
+            from coordinated_prep.convert import convert_to_tar
+
+            if args.row_group_size is not None:
+                raise ConfigError("convert: --row-group-size is a Parquet option; tar shards have no row groups")
+            result = convert_to_tar(args.imagefolder, args.out, overwrite=args.overwrite, progress=bar.update, **sizes)
+        else:
+            result = convert_imagefolder(args.imagefolder, args.out, overwrite=args.overwrite, progress=bar.update,
+                                         **sizes)
     finally:
         bar.close()
     sys.stdout.write(f"{result.out}: {len(result.shards)} shards, {result.samples} samples, "

@@ -107,3 +107,21 @@ def assert_fresh_exactly_once(epochs: Sequence[dict], expected: Iterable[int], m
         assert repeats.min() >= 0 and repeats.max() < most, f"{who} epoch {k}: repeat {repeats.max()} >= {most}"
         counts = np.bincount(indices)
         assert counts.max() <= most, f"{who} epoch {k}: sample {int(counts.argmax())} came {counts.max()} times"
+
+
+def assert_same_unshared_batches(dataset_a: str, dataset_b: str) -> None:
+    """Two datasets holding the same samples (an ImageFolder and its conversion) give byte-identical
+    unshared training batches for 2 epochs, and evaluation batches, under one seed."""
+    from coordinated_prep import eval_loader, train_loader
+
+    specs = [DataSpec(dataset=d, pipeline={"size": 32}, seed=5, coordinated=False, chunk_size=16, segments=3)
+             for d in (dataset_a, dataset_b)]
+    a_loader, b_loader = (train_loader(spec, batch_size=24, epochs=2) for spec in specs)
+    for _ in range(2):
+        pairs = list(zip(a_loader, b_loader, strict=True))
+        assert pairs
+        for a, b in pairs:
+            assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
+            assert torch.equal(a.indices, b.indices)
+    for a, b in zip(eval_loader(specs[0], 16), eval_loader(specs[1], 16), strict=True):
+        assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)

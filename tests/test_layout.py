@@ -96,7 +96,7 @@ def test_every_moved_path_is_the_same_module_as_its_new_one(old):
 
 def test_the_package_root_holds_only_the_shared_vocabulary_and_the_commands():
     root = sorted(n for n in os.listdir(os.path.join(REPO, "coordinated_prep")) if n.endswith(".py"))
-    assert root == ["__init__.py", "cli.py", "context.py", "contracts.py", "convert.py", "dashboard.py",
+    assert root == ["__init__.py", "cli.py", "context.py", "contracts.py", "dashboard.py",
                     "errors.py", "metrics.py", "naming.py", "pages.py", "plan.py", "spec.py"], root
 
 

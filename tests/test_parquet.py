@@ -16,12 +16,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from coordinated_prep import ConfigError, DataSpec, DatasetError, SampleError
+from coordinated_prep import ConfigError, DatasetError, SampleError
 from coordinated_prep.cli import _ProgressBar, main
 from coordinated_prep.convert import convert_imagefolder
-from coordinated_prep.trial.loader import eval_loader, train_loader
 from coordinated_prep.pipeline.sources import ImageFolderSource, ParquetSource, open_source, shapes
 from coordinated_prep.pipeline.sources.parquet import MANIFEST
+from tests.harness import assert_same_unshared_batches
 
 
 @pytest.fixture(scope="module")
@@ -256,17 +256,7 @@ def test_an_interrupted_conversion_leaves_no_dataset(small_dataset, tmp_path):
 
 def test_unshared_batches_are_byte_identical_to_the_imagefolders(small_dataset, tmp_path):
     out = convert_imagefolder(small_dataset, str(tmp_path / "pq"), shard_size=64, row_group_size=8).out
-    specs = [DataSpec(dataset=d, pipeline={"size": 32}, seed=5, coordinated=False, chunk_size=16, segments=3)
-             for d in (small_dataset, out)]
-    files, records = (train_loader(spec, batch_size=24, epochs=2) for spec in specs)
-    for _ in range(2):
-        pairs = list(zip(files, records, strict=True))
-        assert pairs
-        for a, b in pairs:
-            assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
-            assert torch.equal(a.indices, b.indices)
-    for a, b in zip(eval_loader(specs[0], 16), eval_loader(specs[1], 16), strict=True):
-        assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
+    assert_same_unshared_batches(small_dataset, out)
 
 
 def test_cli_convert_end_to_end(small_dataset, tmp_path, capsys):

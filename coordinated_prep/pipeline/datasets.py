@@ -165,8 +165,24 @@ def check_map_style(dataset: Any, where: str) -> None:
     missing = [m for m in ("__len__", "__getitem__") if not hasattr(type(dataset), m)]
     if missing:
         raise ConfigError(f"{where}={_short(dataset)} has no {' or '.join(missing)}: a map-style dataset (random "
-                          "access by index) is needed, as every sample's place in the epoch is planned ahead; wrap "
-                          "arrays in coordinated_prep.pipeline.ArrayDataset")
+                          "access by index) is needed, as every sample's place in the epoch is planned ahead; "
+                          + _map_style_hint(dataset))
+
+
+def _map_style_hint(dataset: Any) -> str:
+    """How to give the data of an iterable-style ``dataset`` as a map-style one, by where it comes from."""
+    module = type(dataset).__module__ or ""
+    if module.startswith("webdataset"):
+        return ("give the shards themselves as the dataset: dataset='/data/train-{000000..000063}.tar' (a pattern, a "
+                ".tar file or a folder of them) reads WebDataset shards by index")
+    if module.startswith("datasets"):
+        return ("load the Hugging Face dataset without streaming=True: a datasets.Dataset is map-style and works "
+                "as it is")
+    if module.startswith("ray.data"):
+        return ("write its rows as WebDataset tar shards or Parquet (coordprep convert) and give their path, or "
+                "collect them into arrays for coordinated_prep.pipeline.ArrayDataset")
+    return ("give the data as a map-style dataset (a torch Dataset with __len__ and __getitem__), WebDataset tar "
+            "shards or Parquet by path, or arrays in coordinated_prep.pipeline.ArrayDataset")
 
 
 class ArrayDataset:

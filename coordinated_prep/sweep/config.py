@@ -225,13 +225,15 @@ def resolve_trainable(name: str, where: str = "trainable") -> Callable[[dict], N
 
 def _check_dataset(dataset: str, name: str = "data.dataset") -> None:
     from coordinated_prep.pipeline.sources import BUILTIN_DATASETS
+    from coordinated_prep.pipeline.sources.tar_shards import is_tar_dataset
 
     if dataset.startswith("builtin:"):
         if dataset not in BUILTIN_DATASETS:
             raise ConfigError(f"{name}={dataset!r} is not a builtin dataset; choose one of {list(BUILTIN_DATASETS)}")
-    elif not os.path.isdir(dataset):
+    elif not os.path.isdir(dataset) and not is_tar_dataset(dataset):
         raise ConfigError(f"{name}={dataset!r}: no such directory; give an ImageFolder root, a Parquet "
-                          f"dataset directory (coordprep convert) or one of {list(BUILTIN_DATASETS)}")
+                          "dataset directory (coordprep convert), WebDataset tar shards (a folder of *.tar, a .tar "
+                          f"file or a pattern such as 'shards-{{0000..0063}}.tar') or one of {list(BUILTIN_DATASETS)}")
 
 
 def _check_trainable_keys(space: Mapping[str, Any], trainable: str, scheduler: SchedulerSpec) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
@@ -141,3 +142,17 @@ def _number(value: Any) -> float | None:
 def _reported(trials: list[TrialResult]) -> list[str]:
     keys = {k for t in trials for k, v in t.metrics.items() if _number(v) is not None}
     return sorted(keys)[:20]
+
+
+def save_atomically(value: Any, path: str) -> None:
+    """Pickle ``value`` to ``path`` through a temporary file in its folder (never half written)."""
+    from ray import cloudpickle
+
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-coordprep-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            cloudpickle.dump(value, f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

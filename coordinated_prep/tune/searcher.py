@@ -6,7 +6,6 @@ import logging
 import operator
 import os
 import sys
-import tempfile
 from typing import Any, Dict, Mapping, Optional
 
 import ray
@@ -22,7 +21,7 @@ from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.stream.registry import RegistryActor
 from coordinated_prep.tune.groups import group_of
 from coordinated_prep.tune.order import DEFAULT_WINDOW, GroupOrder
-from coordinated_prep.tune.results import write_reports
+from coordinated_prep.tune.results import save_atomically, write_reports
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +229,7 @@ class CoordinatedSearcher(SearchAlgorithm):
                 # (it computes them again then): a stand-in until that.
                 if trial.placement_group_factory is None:
                     trial.placement_group_factory = PlacementGroupFactory([{"CPU": 1}])
-            _save_atomically(self._order, os.path.join(dirpath, ORDER_FILE))
+            save_atomically(self._order, os.path.join(dirpath, ORDER_FILE))
         if self._registry is None:
             return
         names = {"groups": "reports", "caches": "cache_reports", "evals": "eval_reports", "decoded": "decoded_reports",
@@ -366,18 +365,6 @@ def _tune_run_locals() -> dict[str, Any]:
             return dict(frame.f_locals)
         frame = frame.f_back
     return {}
-
-
-def _save_atomically(value: Any, path: str) -> None:
-    """Pickle ``value`` to ``path`` through a temporary file in its folder (never half written)."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-coordprep-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            cloudpickle.dump(value, f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def _destroy(registry: Any) -> None:

@@ -10,6 +10,7 @@ from coordinated_prep.contracts import DataSource
 from coordinated_prep.errors import DatasetError
 from coordinated_prep.pipeline.sources.imagefolder import ImageFolderSource
 from coordinated_prep.pipeline.sources.shapes import ensure_shapes
+from coordinated_prep.pipeline.sources.tar_shards import is_tar_dataset
 
 BUILTIN_DATASETS = ("builtin:shapes", "builtin:shapes-large", "builtin:photos")
 #: The Parquet dataset manifest's file name (``coordinated_prep.pipeline.sources.parquet.MANIFEST``). The
@@ -25,8 +26,10 @@ def open_source(dataset: str) -> DataSource:
     """Open the data source a ``DataSpec.dataset`` names (cached per process).
 
     ``builtin:<name>`` is a generated ImageFolder; a directory holding ``coordprep-parquet.json``
-    (written by ``coordprep convert``) is a :class:`ParquetSource`; any other directory is read as
-    an ImageFolder. In a process of a coordinated sweep, an ImageFolder's index comes from the
+    (written by ``coordprep convert``) is a :class:`ParquetSource`; WebDataset tar shards (a brace
+    pattern such as ``shards-{0000..0063}.tar``, a ``.tar`` file, or a directory of ``*.tar`` with no
+    subdirectory) are a :class:`~coordinated_prep.pipeline.sources.tar_shards.TarShardSource`; any
+    other directory is read as an ImageFolder. In a process of a coordinated sweep, an ImageFolder's index comes from the
     sweep (walked once per node, :mod:`coordinated_prep.pipeline.sources.shared_index`).
 
     Raises:
@@ -45,6 +48,10 @@ def open_source(dataset: str) -> DataSource:
         from coordinated_prep.pipeline.sources.parquet import ParquetSource
 
         source: DataSource = ParquetSource(dataset)
+    elif is_tar_dataset(dataset):
+        from coordinated_prep.pipeline.sources.tar_shards import TarShardSource
+
+        source = TarShardSource(dataset)
     elif glob.glob(os.path.join(glob.escape(dataset), "*.parquet")):
         raise DatasetError(f"dataset {dataset!r} holds Parquet files but no {PARQUET_MANIFEST} manifest (an unfinished "
                            "conversion?); re-run `coordprep convert <imagefolder> <dir> --overwrite`")
@@ -68,7 +75,7 @@ def folder_root(dataset: str) -> str | None:
 
             return os.path.abspath(ensure_photos())
         return os.path.abspath(ensure_shapes(variant=dataset.removeprefix("builtin:")))
-    if os.path.isfile(os.path.join(dataset, PARQUET_MANIFEST)) or not os.path.isdir(dataset):
+    if os.path.isfile(os.path.join(dataset, PARQUET_MANIFEST)) or not os.path.isdir(dataset) or is_tar_dataset(dataset):
         return None
     return os.path.abspath(dataset)
 

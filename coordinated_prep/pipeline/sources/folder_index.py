@@ -88,7 +88,8 @@ def scan(root: str) -> FolderIndex:
     root = os.path.abspath(os.path.expanduser(root))
     if not os.path.isdir(root):
         raise DatasetError(f"dataset {root!r}: no such directory; give an ImageFolder root, a Parquet dataset "
-                           "directory written by `coordprep convert`, or 'builtin:shapes'")
+                           "directory written by `coordprep convert`, WebDataset tar shards (a folder of *.tar, or a "
+                           "pattern such as 'shards-{0000..0063}.tar'), or 'builtin:shapes'")
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
     if not classes:
         raise DatasetError(f"dataset {root!r}: no class subfolders; expected the ImageFolder layout root/<class>/<image>")

@@ -107,8 +107,10 @@ def convert_imagefolder(
     return result
 
 
-def _prepare_out(out: str, overwrite: bool) -> None:
-    """Make ``out`` an empty directory, removing only files an earlier conversion wrote there."""
+def _prepare_out(out: str, overwrite: bool, ours: re.Pattern = _OURS,
+                 what: str = "the manifest and part-*.parquet shards", first: str = MANIFEST) -> None:
+    """Make ``out`` an empty directory, removing only files an earlier conversion wrote there (those
+    ``ours`` matches, described as ``what``; ``first`` is removed before the others)."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError(f"convert: output {out!r} exists and is not a directory; choose a directory path")
     os.makedirs(out, exist_ok=True)
@@ -119,13 +121,13 @@ def _prepare_out(out: str, overwrite: bool) -> None:
         raise ConfigError(f"convert: output directory {out!r} is not empty ({len(entries)} entries, e.g. "
                           f"{entries[0]!r}); choose a new or empty directory, or pass --overwrite "
                           "(overwrite=True) to replace a dataset converted there before")
-    foreign = [e for e in entries if not _OURS.fullmatch(e) or not os.path.isfile(os.path.join(out, e))]
+    foreign = [e for e in entries if not ours.fullmatch(e) or not os.path.isfile(os.path.join(out, e))]
     if foreign:
         raise ConfigError(f"convert: output directory {out!r} holds {foreign[:3]}, which coordprep convert did not "
-                          "write; --overwrite removes only the manifest and part-*.parquet shards, so choose "
-                          "another directory or remove them yourself")
+                          f"write; --overwrite removes only {what}, so choose another directory or remove them "
+                          "yourself")
     # The manifest goes first: from here until the new one is written the directory is no dataset.
-    for name in sorted(entries, key=lambda e: e != MANIFEST):
+    for name in sorted(entries, key=lambda e: e != first):
         os.remove(os.path.join(out, name))
 
 

@@ -1,0 +1,153 @@
+"""WebDataset tar shards as a dataset: the source's contract against the ImageFolder it came from,
+webdataset's own writer and reader, the converter, the refusals, and a shared sweep over shards."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+import webdataset as wds
+from ray import tune
+
+from coordinated_prep import CoordinatedSearcher, DataSpec
+from coordinated_prep.cli import main
+from coordinated_prep.convert import convert_imagefolder
+from coordinated_prep.convert import convert_to_tar
+from coordinated_prep.errors import ConfigError, DatasetError
+from coordinated_prep.pipeline.sources import folder_root, open_source
+from coordinated_prep.pipeline.sources.parquet import ParquetSource
+from coordinated_prep.pipeline.sources.tar_shards import TarShardSource
+from tests.conftest import live_coordprep_actors
+from tests.harness import assert_same_unshared_batches, check_trial_records
+from tests.recording import load_records, record
+
+
+def _write_with_webdataset(folder: str, out: str, per_shard: int) -> list[str]:
+    """Shards as a team writes them: webdataset's TarWriter, one sample per ImageFolder file."""
+    source = open_source.__wrapped__(folder)
+    os.makedirs(out, exist_ok=True)
+    paths = []
+    for k, lo in enumerate(range(0, len(source), per_shard)):
+        paths.append(os.path.join(out, f"train-{k:04d}.tar"))
+        with wds.TarWriter(paths[-1]) as sink:
+            for i in range(lo, min(len(source), lo + per_shard)):
+                ext = os.path.splitext(source.describe(i))[1].lstrip(".").lower()
+                sink.write({"__key__": f"sample{i:05d}", ext: source.read(i), "cls": int(source.labels[i])})
+    return paths
+
+
+def test_shards_written_by_webdataset_read_as_the_imagefolder_byte_for_byte(small_dataset, tmp_path):
+    paths = _write_with_webdataset(small_dataset, str(tmp_path / "wds"), per_shard=70)
+    folder = open_source.__wrapped__(small_dataset)
+    pattern = str(tmp_path / "wds" / "train-{0000..0002}.tar")
+    for dataset in (str(tmp_path / "wds"), pattern):
+        source = open_source.__wrapped__(dataset)
+        assert isinstance(source, TarShardSource) and source.shards == tuple(paths)
+        assert len(source) == len(folder) and np.array_equal(source.labels, folder.labels)
+        assert all(source.read(i) == folder.read(i) for i in range(len(folder)))
+        assert source.describe(75) == f"{paths[1]}#sample00075"
+        assert folder_root(dataset) is None, "no ImageFolder walk of a folder of shards"
+    again = pickle.loads(pickle.dumps(source))
+    assert again.read(-1) == folder.read(len(folder) - 1)
+    assert [s if isinstance(s, bytes) else None for s in source.read_many([0, 179])] == [folder.read(0), folder.read(179)]
+    assert isinstance(open_source.__wrapped__(paths[0]), TarShardSource), "one .tar file is a dataset too"
+
+
+def test_convert_writes_shards_webdataset_reads_and_reads_them_back(small_dataset, tmp_path, capsys):
+    assert main(["convert", small_dataset, str(tmp_path / "tar"), "--format", "tar", "--shard-size", "64"]) == 0
+    assert "3 shards, 180 samples" in capsys.readouterr().out
+    folder, shards = open_source.__wrapped__(small_dataset), open_source.__wrapped__(str(tmp_path / "tar"))
+    assert len(shards) == len(folder) and np.array_equal(shards.labels, folder.labels)
+    assert all(shards.read(i) == folder.read(i) for i in range(len(folder)))
+    # webdataset's own reader finds every sample, its image and its class
+    seen = list(wds.WebDataset(str(tmp_path / "tar" / "shard-{000000..000002}.tar"), shardshuffle=False))
+    assert [int(s["__key__"]) for s in seen] == list(range(180))
+    assert all(int(s["cls"]) == folder.labels[i] and (s.get("jpg") or s.get("png")) == folder.read(i)
+               for i, s in enumerate(seen))
+    # and shards convert on to Parquet, the same bytes in the same order
+    out = convert_imagefolder(str(tmp_path / "tar"), str(tmp_path / "pq"), shard_size=100, row_group_size=10).out
+    parquet = ParquetSource(out)
+    assert all(parquet.read(i) == folder.read(i) for i in range(len(folder)))
+    # converting twice gives the same bytes (no clock in the shards)
+    again = convert_to_tar(small_dataset, str(tmp_path / "tar2"), shard_size=64)
+    assert [open(p, "rb").read() for p in again.shards] == [open(p, "rb").read() for p in shards.shards]
+
+
+def test_unshared_batches_over_shards_equal_the_imagefolders(small_dataset, tmp_path):
+    assert_same_unshared_batches(small_dataset, convert_to_tar(small_dataset, str(tmp_path / "tar"), shard_size=50).out)
+
+
+def _tar(path: str, members: dict[str, bytes]) -> str:
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_shards_that_break_the_layout_are_refused_naming_shard_key_and_fix(small_dataset, tmp_path):
+    jpeg = open_source.__wrapped__(small_dataset).read(0)
+    (tmp_path / "a").mkdir()
+    no_label = _tar(str(tmp_path / "a" / "s.tar"), {"x1.jpg": jpeg, "x1.cls": b"0", "x2.jpg": jpeg})
+    with pytest.raises(DatasetError, match=r"s\.tar, sample 'x2': no 'cls' member .*TarWriter"):
+        open_source.__wrapped__(no_label)
+    (tmp_path / "b").mkdir()
+    with pytest.raises(DatasetError, match=r"sample 'x1': no image member \(has \['cls', 'txt'\]"):
+        open_source.__wrapped__(_tar(str(tmp_path / "b" / "s.tar"), {"x1.txt": b"a cat", "x1.cls": b"1"}))
+    (tmp_path / "c").mkdir()
+    with pytest.raises(DatasetError, match=r"holds b'cat', not a class index"):
+        open_source.__wrapped__(_tar(str(tmp_path / "c" / "s.tar"), {"x1.jpg": jpeg, "x1.cls": b"cat"}))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "s.tar").write_bytes(b"not a tar at all" * 64)
+    with pytest.raises(DatasetError, match=r"s\.tar is not a readable tar file.*uncompressed tar"):
+        open_source.__wrapped__(str(tmp_path / "d"))
+    _write_with_webdataset(small_dataset, str(tmp_path / "e"), per_shard=100)
+    with pytest.raises(DatasetError, match=r"1 of its 3 shards are missing, first .*train-0002\.tar"):
+        open_source.__wrapped__(str(tmp_path / "e" / "train-{0000..0002}.tar"))
+    with pytest.raises(DatasetError, match=r"no such directory; .*WebDataset tar shards"):
+        open_source.__wrapped__(str(tmp_path / "nowhere"))
+    assert main(["convert", small_dataset, str(tmp_path / "f"), "--format", "tar", "--row-group-size", "4"]) == 2
+    with pytest.raises(ConfigError, match=r"holds \['mine.txt'\], which coordprep convert did not write"):
+        (tmp_path / "g").mkdir()
+        (tmp_path / "g" / "mine.txt").write_text("keep me")
+        convert_to_tar(small_dataset, str(tmp_path / "g"), overwrite=True)
+    assert (tmp_path / "g" / "mine.txt").read_text() == "keep me"
+
+
+def test_a_sweep_over_tar_shards_shares_exact_epochs(ray_session, small_dataset, tmp_path):
+    out = convert_to_tar(small_dataset, str(tmp_path / "tar"), shard_size=40).out
+    spec = DataSpec(dataset=str(tmp_path / "tar" / "shard-{000000..000004}.tar"), pipeline={"size": 32},
+                    seed=3, chunk_size=8, segments=3)
+    assert open_source(spec.dataset).shards == tuple(os.path.join(out, f"shard-{k:06d}.tar") for k in range(5))
+    searcher = CoordinatedSearcher()
+    analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0,
+                        config={"data": spec, "batch_size": tune.grid_search([8, 12]), "epochs": 2,
+                                "out": str(tmp_path / "records"), "delay_s": 0.02})
+    reports = searcher.group_reports()
+    searcher.close()
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    records = load_records(str(tmp_path / "records"))
+    for trial in analysis.trials:
+        check_trial_records(spec, records[trial.trial_id], trial.config["batch_size"], trial.trial_id)
+    [group] = reports.values()
+    assert group["samples_served"] > group["samples_prepared"], group  # the two trials shared pieces
+    assert live_coordprep_actors() == []
+
+
+def test_an_iterable_dataset_is_refused_with_the_way_to_give_its_data(small_dataset, tmp_path):
+    paths = _write_with_webdataset(small_dataset, str(tmp_path / "wds"), per_shard=100)
+    with pytest.raises(ConfigError, match=r"has no __len__.*give the shards themselves as the dataset: dataset='"):
+        DataSpec(dataset=wds.WebDataset(paths, shardshuffle=False))
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield from range(3)
+
+    with pytest.raises(ConfigError, match=r"has no __len__: .*WebDataset tar shards or Parquet by path"):
+        DataSpec(dataset=Stream())
