@@ -26,7 +26,8 @@ class DataSpec:
     and share one coordinator; any difference forms another group.
 
     Args:
-        dataset: ``"builtin:shapes"``, or the path of an ImageFolder or Parquet dataset directory
+        dataset: ``"builtin:shapes"``, the path of an ImageFolder or Parquet dataset directory, or
+            WebDataset tar shards by path, pattern or URL (``s3://bucket/train-{0000..0063}.tar``)
             (a relative path is made absolute here: Tune runs each trial in its own directory); or
             any map-style dataset (``__len__`` and ``__getitem__``: a torchvision dataset, your own
             ``Dataset``, arrays in :class:`~coordinated_prep.pipeline.ArrayDataset`); or a
@@ -125,7 +126,7 @@ class DataSpec:
             raise ConfigError(
                 f"data.pipeline={self.pipeline!r} configures the built-in crop and flip, which transform=/transforms= "
                 "replace; leave pipeline out, or drop the transforms to use it")
-        if isinstance(self.dataset, str) and not self.dataset.startswith(BUILTIN_PREFIX):
+        if isinstance(self.dataset, str) and not self.dataset.startswith(BUILTIN_PREFIX) and "://" not in self.dataset:
             object.__setattr__(self, "dataset", os.path.abspath(os.path.expanduser(self.dataset)))  # one key per dir
         _check_int("data.seed", self.seed, 0)
         if not isinstance(self.coordinated, bool):

@@ -10,7 +10,10 @@ A dataset names its shards one of two ways:
 
 - a directory whose top level holds ``*.tar`` files and no subdirectory (sorted by name);
 - one ``.tar`` file;
-- a brace pattern, WebDataset's spelling: ``/data/train-{000000..000063}.tar`` (expanded in order).
+- a brace pattern, WebDataset's spelling: ``/data/train-{000000..000063}.tar`` (expanded in order);
+- a URL of any of those (``s3://bucket/train-{0000..0063}.tar``, ``https://host/shards/``): each
+  shard is fetched whole once per node (:mod:`coordinated_prep.pipeline.sources.remote`) and read
+  from the node's copy.
 
 Sample ``i`` is the ``i``-th key of the shards taken in that order, members in their order in the
 tar. Construction reads every shard's headers once (a pass that skips the data: about 1 ms per
@@ -31,6 +34,7 @@ from typing import Sequence
 import numpy as np
 
 from coordinated_prep.errors import DatasetError, SampleError
+from coordinated_prep.pipeline.sources.remote import fetched, is_url, list_shards
 
 #: Extensions of a sample's image member, in the order a sample's members are looked at.
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff")
@@ -46,22 +50,34 @@ def is_tar_pattern(dataset: str) -> bool:
 
 
 def is_tar_dataset(dataset: str) -> bool:
-    """Whether ``dataset`` names tar shards: a brace pattern, a ``.tar`` file, or a directory with
-    ``*.tar`` at its top level and no subdirectory (a folder with both is read as an ImageFolder)."""
-    if is_tar_pattern(dataset) or (dataset.endswith(".tar") and os.path.isfile(dataset)):
+    """Whether ``dataset`` names tar shards: a brace pattern, a ``.tar`` file, a directory with
+    ``*.tar`` at its top level and no subdirectory (a folder with both is read as an ImageFolder), or
+    a URL of any of those (a prefix ending in ``/`` for a folder)."""
+    if is_tar_pattern(dataset) or (dataset.endswith(".tar") and (is_url(dataset) or os.path.isfile(dataset))):
         return True
+    if is_url(dataset):
+        return dataset.endswith("/")
     if not os.path.isdir(dataset):
         return False
     entries = list(os.scandir(dataset))
     return any(e.name.endswith(".tar") and e.is_file() for e in entries) and not any(e.is_dir() for e in entries)
 
 
-def shard_paths(dataset: str) -> list[str]:
-    """The shards ``dataset`` names, in sample order.
+def shard_names(dataset: str) -> list[str]:
+    """The shards ``dataset`` names (paths, or URLs for a remote dataset), in sample order.
 
     Raises:
-        DatasetError: A pattern that matches no file, or a shard of it that is missing.
+        DatasetError: A pattern that matches no file, a shard of it that is missing, or a remote
+            folder that cannot be listed.
     """
+    if dataset.startswith("file://"):
+        dataset = dataset.removeprefix("file://")
+    if is_url(dataset):
+        if is_tar_pattern(dataset):
+            from braceexpand import braceexpand
+
+            return list(braceexpand(dataset))
+        return list_shards(dataset) if dataset.endswith("/") else [dataset]
     if is_tar_pattern(dataset):
         from braceexpand import braceexpand
 
@@ -92,11 +108,13 @@ class TarShardSource:
     """
 
     def __init__(self, dataset: str) -> None:
-        self.root = dataset if is_tar_pattern(dataset) else os.path.abspath(os.path.expanduser(dataset))
-        self.shards: tuple[str, ...] = tuple(shard_paths(dataset))
+        remote = is_url(dataset) and not dataset.startswith("file://")
+        self.root = dataset if is_tar_pattern(dataset) or remote else os.path.abspath(os.path.expanduser(dataset))
+        self.urls: tuple[str, ...] = tuple(shard_names(dataset))  # what errors name: paths, or the URLs
+        self.shards: tuple[str, ...] = tuple(fetched(self.urls)) if remote else self.urls  # local paths
         shard, offsets, sizes, labels, keys = [], [], [], [], []
-        for s, path in enumerate(self.shards):
-            for key, (offset, size), label in _index_shard(path):
+        for s, (path, name) in enumerate(zip(self.shards, self.urls)):
+            for key, (offset, size), label in _index_shard(path, name):
                 shard.append(s)
                 offsets.append(offset)
                 sizes.append(size)
@@ -140,7 +158,7 @@ class TarShardSource:
     def describe(self, index: int) -> str:
         """``<shard path>#<key>`` of sample ``index``."""
         i = self._locate(index)
-        return f"{self.shards[int(self._shard[i])]}#{self._keys[i]}"
+        return f"{self.urls[int(self._shard[i])]}#{self._keys[i]}"
 
     def _locate(self, index: int) -> int:
         n = len(self)
@@ -150,8 +168,8 @@ class TarShardSource:
         return i
 
 
-def _index_shard(path: str) -> list[tuple[str, tuple[int, int], int]]:
-    """Per sample of shard ``path``, in order: (key, (offset, size) of its image, label)."""
+def _index_shard(path: str, name: str) -> list[tuple[str, tuple[int, int], int]]:
+    """Per sample of shard ``path`` (named ``name`` in errors), in order: (key, (offset, size) of its image, label)."""
     samples: dict[str, dict[str, tarfile.TarInfo]] = {}
     try:
         with tarfile.open(path, "r:") as tar:  # "r:": uncompressed, as WebDataset's shards are read with seeks
@@ -163,19 +181,19 @@ def _index_shard(path: str) -> list[tuple[str, tuple[int, int], int]]:
             for key, parts in samples.items():
                 image = next((parts[e] for e in IMAGE_EXTENSIONS if e in parts), None)
                 if image is None:
-                    raise DatasetError(f"shard {path}, sample {key!r}: no image member (has {sorted(parts)}; one of "
+                    raise DatasetError(f"shard {name}, sample {key!r}: no image member (has {sorted(parts)}; one of "
                                        f"{list(IMAGE_EXTENSIONS)} is needed)")
-                found.append((key, (image.offset_data, image.size), _label(tar, path, key, parts)))
+                found.append((key, (image.offset_data, image.size), _label(tar, name, key, parts)))
     except (tarfile.TarError, OSError) as e:
-        raise DatasetError(f"shard {path} is not a readable tar file ({e}); an uncompressed tar is needed "
+        raise DatasetError(f"shard {name} is not a readable tar file ({e}); an uncompressed tar is needed "
                            "(write shards with webdataset.TarWriter or `coordprep convert --format tar`)") from e
     return found
 
 
-def _label(tar: tarfile.TarFile, path: str, key: str, parts: dict[str, tarfile.TarInfo]) -> int:
+def _label(tar: tarfile.TarFile, name: str, key: str, parts: dict[str, tarfile.TarInfo]) -> int:
     member = parts.get(LABEL_EXTENSION)
     if member is None:
-        raise DatasetError(f"shard {path}, sample {key!r}: no {LABEL_EXTENSION!r} member with its class index (has "
+        raise DatasetError(f"shard {name}, sample {key!r}: no {LABEL_EXTENSION!r} member with its class index (has "
                            f"{sorted(parts)}); write one per sample, as webdataset.TarWriter does with "
                            "{'__key__': ..., 'jpg': ..., 'cls': 3}")
     text = tar.extractfile(member).read(64)  # type: ignore[union-attr]  (a file member)
@@ -184,6 +202,6 @@ def _label(tar: tarfile.TarFile, path: str, key: str, parts: dict[str, tarfile.T
     except (UnicodeDecodeError, ValueError):
         label = -1
     if label < 0:
-        raise DatasetError(f"shard {path}, sample {key!r}: its {LABEL_EXTENSION!r} member holds {text[:32]!r}, not "
+        raise DatasetError(f"shard {name}, sample {key!r}: its {LABEL_EXTENSION!r} member holds {text[:32]!r}, not "
                            "a class index (an integer >= 0)")
     return label

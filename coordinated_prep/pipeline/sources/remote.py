@@ -1,0 +1,122 @@
+"""Shards in object storage (``s3://``, ``gs://``, ``http(s)://``, any fsspec URL), fetched once per node.
+
+A tar shard's headers lie between its members, so indexing a shard reads all of it: a remote shard
+is fetched whole, once, into the node's shard cache (``$COORDPREP_CACHE/shards``, on local disk),
+and every process of the node (coordinator, prep actors, trials, their loader workers) indexes and
+reads the local copy. That is CoorDL's argument for a node cache, at the granularity object storage
+serves well: one GET per shard per node for the whole sweep, however many trials and epochs.
+
+Fetching, per shard: take the shard's lock file (``flock``; the kernel releases it if its holder
+dies, so a waiter waits at most for one bounded fetch of a live holder), return the copy if an
+earlier holder left it, else fetch into a temporary file with :data:`ATTEMPTS` bounded attempts
+(fsspec's own timeouts bound each), then ``fsync`` and rename it into place: a copy either exists
+whole or not at all. Credentials come from where each filesystem looks (``AWS_*`` variables and
+``~/.aws`` for ``s3://`` through s3fs, ``AWS_ENDPOINT_URL`` for an S3-compatible server).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import re
+import tempfile
+import time
+from typing import Sequence
+
+from coordinated_prep.errors import DatasetError
+
+logger = logging.getLogger(__name__)
+
+ATTEMPTS = 3  # fetches of one shard before its error is raised
+BACKOFF_S = 0.5  # wait before the second attempt; doubled before each later one
+
+_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+
+
+def is_url(dataset: str) -> bool:
+    """Whether ``dataset`` is a URL (``file://`` included)."""
+    return bool(_URL.match(dataset))
+
+
+def shard_cache_dir() -> str:
+    """The node's shard cache: ``$COORDPREP_CACHE/shards`` (``~/.cache/coordinated_prep/shards``)."""
+    from coordinated_prep.pipeline.sources.shapes import cache_dir
+
+    return os.path.join(cache_dir(), "shards")
+
+
+def list_shards(url: str) -> list[str]:
+    """The ``*.tar`` objects under ``url`` (a prefix ending in ``/``), sorted: one listing request.
+
+    Raises:
+        DatasetError: The listing failed or found no shard (names the URL and the fix).
+    """
+    fs, path = _filesystem(url)
+    try:
+        found = sorted(fs.glob(path.rstrip("/") + "/*.tar"))
+    except Exception as e:  # each filesystem raises its own errors (ClientError, aiohttp's, OSError)
+        raise DatasetError(f"dataset {url!r}: cannot list its shards ({e!r}); check the URL and the "
+                           "credentials, or name the shards with a pattern such as 'train-{0000..0063}.tar'") from e
+    if not found:
+        raise DatasetError(f"dataset {url!r} holds no *.tar shards")
+    return [fs.unstrip_protocol(p) for p in found]
+
+
+def fetched(urls: Sequence[str]) -> list[str]:
+    """Per URL, the local path of its copy in the node's shard cache, fetched first if missing.
+
+    Raises:
+        DatasetError: A shard could not be fetched in :data:`ATTEMPTS` attempts (names the URL,
+            the last error and the fix).
+    """
+    folder = shard_cache_dir()
+    os.makedirs(folder, exist_ok=True)
+    return [_fetch(url, folder) for url in urls]
+
+
+def _fetch(url: str, folder: str) -> str:
+    name = hashlib.sha256(url.encode()).hexdigest()[:16] + "-" + os.path.basename(url.rstrip("/"))
+    path = os.path.join(folder, name)
+    if os.path.exists(path):
+        return path
+    with open(path + ".lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if the holder dies (module docstring)
+        if os.path.exists(path):
+            return path  # an earlier holder fetched it
+        fs, remote = _filesystem(url)
+        last: BaseException | None = None
+        for attempt in range(ATTEMPTS):
+            if attempt:
+                time.sleep(BACKOFF_S * 2 ** (attempt - 1))  # a backoff between attempts, not a wait for anyone
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".fetch-")
+            os.close(fd)
+            try:
+                started = time.perf_counter()
+                fs.get_file(remote, tmp)
+                with open(tmp, "rb") as f:
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+                logger.info("fetched %s into the node's shard cache (%d bytes, %.2f s)", url, os.path.getsize(path),
+                            time.perf_counter() - started)
+                return path
+            except Exception as e:  # each filesystem raises its own errors; all are retried alike
+                last = e
+                logger.warning("fetching %s failed (attempt %d of %d): %r", url, attempt + 1, ATTEMPTS, e)
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+    raise DatasetError(f"shard {url}: could not be fetched in {ATTEMPTS} attempts, last error {last!r}; check that "
+                       "the URL exists and the credentials (AWS_* variables, ~/.aws; AWS_ENDPOINT_URL for an "
+                       "S3-compatible server) reach every node")
+
+
+def _filesystem(url: str):
+    try:
+        import fsspec
+
+        return fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as e:  # fsspec names the package a protocol needs (s3fs, gcsfs)
+        raise DatasetError(f"dataset {url!r}: no filesystem for it here ({e}); install the package fsspec names, "
+                           "e.g. pip install 'coordinated-prep[s3]' for s3://") from e

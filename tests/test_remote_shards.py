@@ -1,0 +1,119 @@
+"""Tar shards in object storage: real servers on loopback (HTTP, and moto's S3), counted on the
+server's side. Each shard is fetched once per node, however many processes open the dataset; a
+shard that cannot be fetched is retried a bounded number of times and then named."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from ray import tune
+
+from coordinated_prep import CoordinatedSearcher, DataSpec
+from coordinated_prep.convert import convert_to_tar
+from coordinated_prep.errors import DatasetError
+from coordinated_prep.pipeline.sources import open_source, remote
+from tests.harness import check_trial_records
+from tests.recording import load_records, record
+from tests.servers import Server
+
+
+@pytest.fixture
+def node_cache(tmp_path, monkeypatch) -> str:
+    """A node shard cache of this test's own (the session's is shared by every test), no backoff."""
+    monkeypatch.setenv("COORDPREP_CACHE", str(tmp_path / "node"))
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.0)
+    return str(tmp_path / "node" / "shards")
+
+
+@pytest.fixture
+def shards(small_dataset, tmp_path) -> str:
+    """The small dataset as 3 tar shards of 64, 64 and 52 samples."""
+    return convert_to_tar(small_dataset, str(tmp_path / "served"), shard_size=64).out
+
+
+def _gets(server: Server) -> dict[str, int]:
+    return {path: n for (method, path), n in server.requests().items() if method == "GET"}
+
+
+def test_shards_over_http_are_fetched_once_per_node_and_read_byte_for_byte(small_dataset, shards, node_cache,
+                                                                           tmp_path):
+    folder = open_source.__wrapped__(small_dataset)
+    with Server("http", str(tmp_path / "http.log"), shards) as server:
+        url = f"{server.url}/shard-{{000000..000002}}.tar"
+        opened: list = [None] * 4
+        errors: list = []
+
+        def open_one(k: int) -> None:  # four openers at once: each holds its own lock file descriptions
+            try:
+                opened[k] = open_source.__wrapped__(url)
+            except Exception as e:  # surfaced below
+                errors.append(e)
+
+        threads = [threading.Thread(target=open_one, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not errors and all(s is not None for s in opened), errors
+        assert _gets(server) == {f"/shard-{k:06d}.tar": 1 for k in range(3)}, "one GET per shard for the node"
+        for source in opened:
+            assert len(source) == len(folder) and all(source.read(i) == folder.read(i) for i in (0, 63, 64, 179))
+        assert opened[0].describe(70) == f"{server.url}/shard-000001.tar#00000070", "errors name the URL"
+        copies = [os.path.basename(p) for p in opened[0].shards]
+        assert sorted(os.listdir(node_cache)) == sorted(copies + [c + ".lock" for c in copies]), "no temporary file"
+
+        listed = open_source.__wrapped__(server.url + "/")  # a folder: its listing names the shards
+        assert listed.shards == opened[0].shards and _gets(server)["/"] >= 1
+        assert all(n == 1 for p, n in _gets(server).items() if p.endswith(".tar")), "the copies are used"
+
+        with pytest.raises(DatasetError, match=r"shard http://127\.0\.0\.1:\d+/shard-000003\.tar: could not be "
+                                               r"fetched in 3 attempts.*check that the URL exists"):
+            open_source.__wrapped__(f"{server.url}/shard-{{000002..000003}}.tar")
+        assert _gets(server)["/shard-000003.tar"] == remote.ATTEMPTS, "a bounded number of retries"
+        assert _gets(server)["/shard-000002.tar"] == 1, "the shard fetched before is not fetched again"
+
+
+def test_shards_in_an_s3_compatible_store_read_with_credentials_from_the_environment(shards, node_cache, tmp_path,
+                                                                                   monkeypatch):
+    import s3fs
+
+    with Server("s3", str(tmp_path / "s3.log")) as server:
+        for name, value in (("AWS_ENDPOINT_URL", server.url), ("AWS_ACCESS_KEY_ID", "testing"),
+                            ("AWS_SECRET_ACCESS_KEY", "testing"), ("AWS_DEFAULT_REGION", "us-east-1")):
+            monkeypatch.setenv(name, value)
+        s3fs.S3FileSystem.clear_instance_cache()
+        store = s3fs.S3FileSystem()
+        store.mkdir("photos")
+        for name in sorted(os.listdir(shards)):
+            store.put_file(os.path.join(shards, name), f"photos/train/{name}")
+        before = _gets(server)
+        source = open_source.__wrapped__("s3://photos/train/shard-{000000..000002}.tar")
+        again = open_source.__wrapped__("s3://photos/train/")  # listed: the same shards, none fetched again
+        local = open_source.__wrapped__(shards)
+        assert len(source) == len(local) and all(source.read(i) == local.read(i) for i in range(len(local)))
+        assert again.shards == source.shards
+        fetched = {p: n - before.get(p, 0) for p, n in _gets(server).items() if p.endswith(".tar")}
+        assert fetched == {f"/photos/train/shard-{k:06d}.tar": 1 for k in range(3)}, fetched
+        assert source.describe(0) == "s3://photos/train/shard-000000.tar#00000000"
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_a_sweep_over_shards_on_a_server_fetches_each_once_and_keeps_exact_epochs(ray_session, shards, tmp_path):
+    # The session's node cache (COORDPREP_CACHE, shared by the driver and Ray's workers): the
+    # server's port makes its URLs new to it.
+    with Server("http", str(tmp_path / "http.log"), shards) as server:
+        spec = DataSpec(dataset=f"{server.url}/shard-{{000000..000002}}.tar", pipeline={"size": 32}, seed=3,
+                        chunk_size=8, segments=3)
+        searcher = CoordinatedSearcher()
+        analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0,
+                            config={"data": spec, "batch_size": tune.grid_search([8, 12]), "epochs": 2,
+                                    "out": str(tmp_path / "records"), "delay_s": 0.02})
+        searcher.close()
+        assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+        records = load_records(str(tmp_path / "records"))
+        for trial in analysis.trials:
+            check_trial_records(spec, records[trial.trial_id], trial.config["batch_size"], trial.trial_id)
+        # the driver, the coordinator, two prep actors and two trials opened the dataset: one GET per shard
+        assert _gets(server) == {f"/shard-{k:06d}.tar": 1 for k in range(3)}
