@@ -46,11 +46,12 @@ def test_a_tiny_bench_runs_every_loader_and_format_and_writes_csv_and_png(ray_se
     epoch = len(holdout_split(len(open_source(small_dataset)), 0.1)[0])
     reads = [r for r in rows if r["step"] == "read"]
     assert [(r["format"], r["cache"]) for r in reads] == [
-        ("files", "cold"), ("files", "warm"), ("parquet", "cold"), ("parquet", "warm"),
-        ("files+node cache", "cold, filling"), ("files+node cache", "cached")]
+        ("files", "cold"), ("files", "warm"), ("parquet", "cold"), ("parquet", "warm"), ("tar", "cold"),
+        ("tar", "warm"), ("files+node cache", "cold, filling"), ("files+node cache", "cached")]
     for r in reads:  # the whole training split, shuffled, without decoding
         assert int(r["samples"]) == epoch and float(r["samples_per_s"]) > 0 and float(r["mb_per_s"]) > 0, r
     assert (tmp_path / "runs" / "tiny" / "parquet" / MANIFEST).is_file(), "the dataset was converted once"
+    assert os.listdir(tmp_path / "runs" / "tiny" / "tar") == ["shard-000000.tar"], "and written as tar shards"
     [bound] = [r for r in rows if r["step"] == "decode"]  # the cores' decode-and-augment bound, measured
     assert float(bound["ms_per_sample"]) > 0 and float(bound["samples_per_s"]) > 0
     launches = [r for r in rows if r["step"] == "launch"]  # Tune's launch of N empty trials, before each N's loaders

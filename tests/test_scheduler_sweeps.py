@@ -68,6 +68,7 @@ def sweep(request, ray_session, small_dataset, tmp_path_factory):
           score: {{grid: {scores}}}
           out: {tmp / "records"}
         max_concurrent_trials: 6
+        reuse_actors: {str(name == "pbt").lower()}  # PBT's exploits run in the exploited trial's process
         resources_per_trial: {{cpu: {cpu}}}
         metric: score
         mode: max

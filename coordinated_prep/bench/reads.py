@@ -1,4 +1,4 @@
-"""The benchmark's read-only rows: raw image files against Parquet record files, cold and warm.
+"""The benchmark's read-only rows: raw image files against Parquet record files and tar shards, cold and warm.
 
 Each row reads the training split once, in a shuffled order, through a :class:`DataSource` in this
 process, without decoding: what storage and the format cost before any preparation starts. The
@@ -31,7 +31,7 @@ def read_rows(source: DataSource, files: Sequence[str], fmt: str, ids: Sequence[
     Args:
         source: The format's data source.
         files: The files holding its samples (image files or shards), evicted for the cold pass.
-        fmt: The format's name in the rows (``files``, ``parquet``).
+        fmt: The format's name in the rows (``files``, ``parquet``, ``tar``).
         ids: The sample indices to read (the training split).
         seed: Seed of the shuffled order (the same order for every format).
     """
@@ -126,3 +126,35 @@ def _storage_bytes() -> int | None:
         return int(fields["read_bytes"])
     except (OSError, KeyError, ValueError):
         return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m coordinated_prep.bench.reads [bench.yaml] [--rounds K]``: the read-only rows alone,
+    for the raw files, their Parquet copy and their tar shards, K rounds in turn (the copies written
+    first, as the benchmark writes them; a round's order is shuffled by its number)."""
+    import argparse
+    import sys
+
+    from coordinated_prep.bench.config import load_bench
+    from coordinated_prep.bench.run import prepare_records
+    from coordinated_prep.plan import holdout_split
+    from coordinated_prep.spec import DataSpec
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("bench", nargs="?", default="experiments/bench.yaml")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    images, records, shards = prepare_records(load_bench(args.bench))
+    ids, _ = holdout_split(len(images), DataSpec().holdout)
+    for k in range(args.rounds):
+        for source, files, fmt in ((images, images.paths, "files"), (records, records.shards, "parquet"),
+                                   (shards, shards.shards, "tar")):
+            for row in read_rows(source, files, fmt, ids, seed=k):
+                fetched = "n/a" if row["storage_mb"] is None else f"{row['storage_mb']:.0f} MB"
+                sys.stdout.write(f"round {k}  {fmt:8s} {row['cache']:5s} {row['samples_per_s']:8.0f} samples/s "
+                                 f"{row['mb_per_s']:7.1f} MB/s  from storage {fetched}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

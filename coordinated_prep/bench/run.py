@@ -29,6 +29,7 @@ from coordinated_prep.plan import holdout_split
 from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.tune.searcher import CoordinatedSearcher
 from coordinated_prep.pipeline.sources import ImageFolderSource, ParquetSource, open_source
+from coordinated_prep.pipeline.sources.tar_shards import TarShardSource
 from coordinated_prep.spec import DataSpec
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[dict[str, Any]], None] | Non
     """
     import ray
 
-    images, records = prepare_records(cfg)  # generates the dataset too, before any trial needs it
+    images, records, shards = prepare_records(cfg)  # generates the dataset too, before any trial needs it
     rows: list[dict[str, Any]] = []
 
     def emit(row: dict[str, Any]) -> None:
@@ -65,7 +66,8 @@ def run_bench(cfg: BenchConfig, progress: Callable[[dict[str, Any]], None] | Non
     train_ids, _ = holdout_split(len(images), DataSpec().holdout)
     bound = decode_bound(cfg, images, train_ids)  # what the cores can prepare at best, measured here
     emit(bound)
-    for source, files, fmt in ((images, images.paths, "files"), (records, records.shards, "parquet")):
+    for source, files, fmt in ((images, images.paths, "files"), (records, records.shards, "parquet"),
+                               (shards, shards.shards, "tar")):
         for row in read_rows(source, files, fmt, train_ids, seed=0):
             emit(row)
     started = not ray.is_initialized()
@@ -172,15 +174,16 @@ def _ratio(rate: float, best: float | None) -> float | None:
     return rate / best if best else None
 
 
-def prepare_records(cfg: BenchConfig) -> tuple[ImageFolderSource, ParquetSource]:
-    """The dataset's raw files, and its Parquet copy converted into ``<storage_path>/<name>/parquet``.
+def prepare_records(cfg: BenchConfig) -> tuple[ImageFolderSource, ParquetSource, TarShardSource]:
+    """The dataset's raw files, its Parquet copy converted into ``<storage_path>/<name>/parquet``, and
+    its WebDataset tar shards in ``<storage_path>/<name>/tar``.
 
-    The copy is written anew on every run (replacing the last one), so it always matches the files.
+    The copies are written anew on every run (replacing the last ones), so they always match the files.
 
     Raises:
         ConfigError: ``cfg.dataset`` is not an ImageFolder or builtin dataset.
     """
-    from coordinated_prep.convert import convert_imagefolder
+    from coordinated_prep.convert import convert_imagefolder, convert_to_tar
 
     images = open_source(cfg.dataset)
     if not isinstance(images, ImageFolderSource):
@@ -190,7 +193,8 @@ def prepare_records(cfg: BenchConfig) -> tuple[ImageFolderSource, ParquetSource]
     result = convert_imagefolder(cfg.dataset, out, overwrite=True)
     logger.info("bench: %s converted to %d Parquet shard(s) in %s (%.1f s)", cfg.dataset, len(result.shards), out,
                 result.seconds)
-    return images, ParquetSource(out)
+    tar = convert_to_tar(cfg.dataset, os.path.join(os.path.dirname(out), "tar"), overwrite=True).out
+    return images, ParquetSource(out), TarShardSource(tar)
 
 
 def measure(cfg: BenchConfig, loader: str, trials: int, step: str, dataset: str | None = None,

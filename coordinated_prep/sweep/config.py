@@ -30,6 +30,7 @@ Schema (every key but ``trainable`` and ``search_space`` is optional)::
     num_samples: 8
     max_concurrent_trials: 4         # 0 = as many as resources allow
     max_failures: 0                  # retries per trial (Tune's FailureConfig); a retry resumes from its checkpoint
+    reuse_actors: false              # Tune's: a finished (or PBT-exploited) trial's process runs the next trial
     resources_per_trial: {cpu: 0.25, gpu: 0}   # or gpu: auto (and gpu_margin: 0.1): each trial gets the GPU
                                                # share its measured peak needs (coordinated_prep.memory.packing)
     metric: accuracy
@@ -78,7 +79,7 @@ from coordinated_prep.sweep.yaml_loader import load_yaml
 __all__ = ["DISTRIBUTIONS", "Dimension", "SweepConfig", "load_sweep", "resolve_trainable"]
 
 TOP_KEYS = ("name", "storage_path", "trainable", "data", "search_space", "num_samples", "max_concurrent_trials",
-            "max_failures", "resources_per_trial", "metric", "mode", "scheduler", "search", "ray", "cache", "pool")
+            "max_failures", "reuse_actors", "resources_per_trial", "metric", "mode", "scheduler", "search", "ray", "cache", "pool")
 #: What the registered trainables need of their search space: (integer?, lowest value, required?).
 TRAINABLE_KEYS = {"lr": (False, 0.0, True), "batch_size": (True, 1, True), "epochs": (True, 1, True),
                   "width": (True, 1, False), "workers": (True, 1, False), "worker_failures": (True, 0, False)}
@@ -100,6 +101,7 @@ class SweepConfig:
     num_samples: int = 1
     max_concurrent_trials: int = 0
     max_failures: int = 0
+    reuse_actors: bool = False  # Tune's TuneConfig.reuse_actors: a finished trial's process runs the next one
     resources_per_trial: Mapping[str, float] = field(default_factory=lambda: {"cpu": 1.0})
     gpu_auto: GpuAuto | None = None  # resources_per_trial.gpu: auto (the runner measures and packs)
     metric: str = "accuracy"
@@ -188,6 +190,11 @@ def _parse(path: str, raw: Any) -> SweepConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"{key}={value!r} must be an integer >= {low}")
             kwargs[key] = value
+    if "reuse_actors" in raw:
+        if not isinstance(raw["reuse_actors"], bool):
+            raise ConfigError(f"reuse_actors={raw['reuse_actors']!r} must be true or false (Tune's "
+                              "TuneConfig.reuse_actors: a finished trial's process runs the next trial)")
+        kwargs["reuse_actors"] = raw["reuse_actors"]
     if "mode" in raw:
         if raw["mode"] not in ("min", "max"):
             raise ConfigError(f"mode={raw['mode']!r} must be 'min' or 'max'")

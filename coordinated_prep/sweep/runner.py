@@ -67,7 +67,7 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1, resume: bool = False,
             param_space=param_space,
             # The sweep's metric and mode are set here only: Tune hands them to the searcher and the scheduler.
             tune_config=tune.TuneConfig(search_alg=search_alg, scheduler=_scheduler(cfg), num_samples=cfg.num_samples,
-                                        metric=cfg.metric, mode=cfg.mode),
+                                        metric=cfg.metric, mode=cfg.mode, reuse_actors=cfg.reuse_actors),
             run_config=tune.RunConfig(name=cfg.name, storage_path=storage, verbose=verbose, callbacks=list(callbacks),
                                       failure_config=tune.FailureConfig(max_failures=cfg.max_failures)),
         )
