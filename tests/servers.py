@@ -1,6 +1,7 @@
 """Real servers on loopback, each in its own process, counting the requests they answer.
 
-``python -m tests.servers http <folder> <log>`` serves ``folder`` over HTTP; ``python -m tests.servers
+``python -m tests.servers http <folder> <log>`` serves ``folder`` over HTTP (a GET of a file named
+``broken-*`` fails with 503, standing for a store that fails); ``python -m tests.servers
 s3 <log>`` runs moto's S3-compatible server. Each prints its port on its first line of stdout,
 appends ``<METHOD> <path>`` to ``log`` for every request (the server-side count a test asserts on),
 and exits when its stdin closes (the test's end, or the test process dying). :class:`Server` starts
@@ -66,6 +67,9 @@ def _serve_http(folder: str, log: str):
     class Counting(SimpleHTTPRequestHandler):
         def send_head(self):
             _record(log, self.command, self.path)
+            if self.command == "GET" and "/broken-" in self.path:  # a store failing every GET of it (HEAD answers)
+                self.send_error(503, "unavailable")
+                return None
             return super().send_head()
 
         def log_message(self, *args):  # quiet: the count is in the log file

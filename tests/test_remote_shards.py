@@ -5,6 +5,7 @@ shard that cannot be fetched is retried a bounded number of times and then named
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 
 import pytest
@@ -68,11 +69,22 @@ def test_shards_over_http_are_fetched_once_per_node_and_read_byte_for_byte(small
         assert listed.shards == opened[0].shards and _gets(server)["/"] >= 1
         assert all(n == 1 for p, n in _gets(server).items() if p.endswith(".tar")), "the copies are used"
 
-        with pytest.raises(DatasetError, match=r"shard http://127\.0\.0\.1:\d+/shard-000003\.tar: could not be "
-                                               r"fetched in 3 attempts.*check that the URL exists"):
+        with pytest.raises(DatasetError, match=r"shard http://127\.0\.0\.1:\d+/shard-000003\.tar does not exist; "
+                                               r"check the URL"):
             open_source.__wrapped__(f"{server.url}/shard-{{000002..000003}}.tar")
-        assert _gets(server)["/shard-000003.tar"] == remote.ATTEMPTS, "a bounded number of retries"
-        assert _gets(server)["/shard-000002.tar"] == 1, "the shard fetched before is not fetched again"
+        # one lookup (fsspec tries a GET after the HEAD's 404), no fetch attempts; the cached shard not fetched again
+        assert _gets(server).get("/shard-000003.tar", 0) <= 1 and _gets(server)["/shard-000002.tar"] == 1
+
+        shutil.copy(os.path.join(shards, "shard-000002.tar"), os.path.join(shards, "broken-000002.tar"))
+        with pytest.raises(DatasetError, match=r"shard http://127\.0\.0\.1:\d+/broken-000002\.tar: could not be "
+                                               r"fetched in 3 attempts, last error .*503"):
+            open_source.__wrapped__(f"{server.url}/broken-000002.tar")
+        assert _gets(server)["/broken-000002.tar"] == remote.ATTEMPTS, "a bounded number of attempts"
+
+        first = os.path.join(shards, "shard-000000.tar")
+        os.utime(first, (os.path.getmtime(first) + 100,) * 2)  # the shard replaced at its URL: a new version
+        assert open_source.__wrapped__(url).read(0) == folder.read(0)
+        assert _gets(server)["/shard-000000.tar"] == 2 and _gets(server)["/shard-000001.tar"] == 1
 
 
 def test_shards_in_an_s3_compatible_store_read_with_credentials_from_the_environment(shards, node_cache, tmp_path,

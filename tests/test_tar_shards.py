@@ -82,9 +82,9 @@ def test_unshared_batches_over_shards_equal_the_imagefolders(small_dataset, tmp_
     assert_same_unshared_batches(small_dataset, convert_to_tar(small_dataset, str(tmp_path / "tar"), shard_size=50).out)
 
 
-def _tar(path: str, members: dict[str, bytes]) -> str:
+def _tar(path: str, members: dict[str, bytes] | list[tuple[str, bytes]]) -> str:
     with tarfile.open(path, "w") as tar:
-        for name, data in members.items():
+        for name, data in members.items() if isinstance(members, dict) else members:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
@@ -103,6 +103,13 @@ def test_shards_that_break_the_layout_are_refused_naming_shard_key_and_fix(small
     (tmp_path / "c").mkdir()
     with pytest.raises(DatasetError, match=r"holds b'cat', not a class index"):
         open_source.__wrapped__(_tar(str(tmp_path / "c" / "s.tar"), {"x1.jpg": jpeg, "x1.cls": b"cat"}))
+    (tmp_path / "h").mkdir()
+    with pytest.raises(DatasetError, match=r"sample 'x1': its members are not consecutive"):  # webdataset: 3 samples
+        open_source.__wrapped__(_tar(str(tmp_path / "h" / "s.tar"), [("x1.jpg", jpeg), ("x1.cls", b"0"), ("x2.jpg", jpeg),
+                                                                     ("x2.cls", b"0"), ("x1.png", jpeg)]))
+    (tmp_path / "i").mkdir()
+    with pytest.raises(DatasetError, match=r"sample 'x1': two 'jpg' members"):
+        open_source.__wrapped__(_tar(str(tmp_path / "i" / "s.tar"), {"x1.jpg": jpeg, "x1.JPG": jpeg, "x1.cls": b"0"}))
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "s.tar").write_bytes(b"not a tar at all" * 64)
     with pytest.raises(DatasetError, match=r"s\.tar is not a readable tar file.*uncompressed tar"):
@@ -118,6 +125,12 @@ def test_shards_that_break_the_layout_are_refused_naming_shard_key_and_fix(small
         (tmp_path / "g" / "mine.txt").write_text("keep me")
         convert_to_tar(small_dataset, str(tmp_path / "g"), overwrite=True)
     assert (tmp_path / "g" / "mine.txt").read_text() == "keep me"
+    done = convert_to_tar(small_dataset, str(tmp_path / "j"), shard_size=100)
+    for over in (str(tmp_path / "j" / "shard-{000000..000001}.tar"), f"file://{tmp_path / 'j'}"):
+        with pytest.raises(ConfigError, match=r"holds or lies inside the source dataset .*would delete"):
+            convert_to_tar(over, str(tmp_path / "j"), overwrite=True)  # shards over themselves: nothing deleted
+    assert all(os.path.getsize(p) > 0 for p in done.shards)
+    assert len(open_source.__wrapped__(f"file://{tmp_path / 'j'}")) == 180, "a file:// folder of shards"
 
 
 def test_a_sweep_over_tar_shards_shares_exact_epochs(ray_session, small_dataset, tmp_path):

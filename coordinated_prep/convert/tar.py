@@ -54,9 +54,11 @@ def convert_to_tar(src: str, out: str, *, shard_size: int = DEFAULT_SHARD_SIZE, 
     t0 = time.perf_counter()
     source = open_source.__wrapped__(src)  # uncached: the dataset may have changed since this process opened it
     out = os.path.abspath(os.path.expanduser(out))
-    if os.path.isdir(source.root) and (out == source.root or out.startswith(source.root + os.sep)):
-        raise ConfigError(f"convert: output {out!r} lies inside the source dataset {source.root!r}; choose a "
-                          "directory outside it")
+    homes = {source.root} if os.path.isdir(source.root) else set()
+    homes |= {os.path.dirname(p) for p in getattr(source, "shards", ())}  # tar shards or Parquet read from there
+    if any(out == home or out.startswith(home + os.sep) for home in homes):
+        raise ConfigError(f"convert: output {out!r} holds or lies inside the source dataset {src!r}, which "
+                          "--overwrite would delete before reading it; choose a directory outside it")
     _prepare_out(out, overwrite, _OURS, "shard-*.tar files", first="")
     written: list[tuple[str, str]] = []  # (temporary, final) paths
     image_bytes = 0

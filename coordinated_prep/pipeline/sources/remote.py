@@ -6,11 +6,12 @@ and every process of the node (coordinator, prep actors, trials, their loader wo
 reads the local copy. That is CoorDL's argument for a node cache, at the granularity object storage
 serves well: one GET per shard per node for the whole sweep, however many trials and epochs.
 
-Fetching, per shard: take the shard's lock file (``flock``; the kernel releases it if its holder
-dies, so a waiter waits at most for one bounded fetch of a live holder), return the copy if an
-earlier holder left it, else fetch into a temporary file with :data:`ATTEMPTS` bounded attempts
-(fsspec's own timeouts bound each), then ``fsync`` and rename it into place: a copy either exists
-whole or not at all. Credentials come from where each filesystem looks (``AWS_*`` variables and
+Fetching, per shard: look up its size and version (ETag or modification time: the copy is named
+after them, so a shard replaced at its URL is fetched anew), take the copy's lock file (``flock``;
+the kernel releases it if its holder dies, so a waiter waits at most for one bounded fetch of a
+live holder), return the copy if an earlier holder left it, else fetch into ``<copy>.part`` in at
+most :data:`ATTEMPTS` attempts (fsspec's own timeouts bound each), then ``fsync`` and rename it into
+place: a copy either exists whole or not at all. Credentials come from where each filesystem looks (``AWS_*`` variables and
 ``~/.aws`` for ``s3://`` through s3fs, ``AWS_ENDPOINT_URL`` for an S3-compatible server).
 """
 
@@ -21,7 +22,6 @@ import hashlib
 import logging
 import os
 import re
-import tempfile
 import time
 from typing import Sequence
 
@@ -77,7 +77,11 @@ def fetched(urls: Sequence[str]) -> list[str]:
 
 
 def _fetch(url: str, folder: str) -> str:
-    name = hashlib.sha256(url.encode()).hexdigest()[:16] + "-" + os.path.basename(url.rstrip("/"))
+    fs, remote = _filesystem(url)
+    # The copy is named after the shard's version as well (size and ETag or modification time: one
+    # HEAD or stat per shard and opening process), so a shard replaced at its URL is fetched again.
+    version = _version(fs, remote, url)
+    name = hashlib.sha256(f"{url}\0{version}".encode()).hexdigest()[:16] + "-" + os.path.basename(url.rstrip("/"))
     path = os.path.join(folder, name)
     if os.path.exists(path):
         return path
@@ -85,19 +89,17 @@ def _fetch(url: str, folder: str) -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if the holder dies (module docstring)
         if os.path.exists(path):
             return path  # an earlier holder fetched it
-        fs, remote = _filesystem(url)
+        part = path + ".part"  # one name per copy: what a killed holder left is replaced by the next
         last: BaseException | None = None
         for attempt in range(ATTEMPTS):
             if attempt:
                 time.sleep(BACKOFF_S * 2 ** (attempt - 1))  # a backoff between attempts, not a wait for anyone
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".fetch-")
-            os.close(fd)
             try:
                 started = time.perf_counter()
-                fs.get_file(remote, tmp)
-                with open(tmp, "rb") as f:
+                fs.get_file(remote, part)
+                with open(part, "rb") as f:
                     os.fsync(f.fileno())
-                os.replace(tmp, path)
+                os.replace(part, path)
                 logger.info("fetched %s into the node's shard cache (%d bytes, %.2f s)", url, os.path.getsize(path),
                             time.perf_counter() - started)
                 return path
@@ -105,11 +107,27 @@ def _fetch(url: str, folder: str) -> str:
                 last = e
                 logger.warning("fetching %s failed (attempt %d of %d): %r", url, attempt + 1, ATTEMPTS, e)
             finally:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
+                if os.path.exists(part):
+                    os.remove(part)
     raise DatasetError(f"shard {url}: could not be fetched in {ATTEMPTS} attempts, last error {last!r}; check that "
                        "the URL exists and the credentials (AWS_* variables, ~/.aws; AWS_ENDPOINT_URL for an "
                        "S3-compatible server) reach every node")
+
+
+def _version(fs, remote: str, url: str) -> str:
+    """The shard's size and, where the store gives one, its ETag or modification time."""
+    try:
+        info = fs.info(remote)
+    except FileNotFoundError:
+        raise DatasetError(f"shard {url} does not exist; check the URL (a pattern's range, the bucket and "
+                           "prefix)") from None
+    except Exception as e:  # each filesystem raises its own errors (permissions, the network)
+        raise DatasetError(f"shard {url}: cannot be looked up ({e!r}); check the URL and that the credentials "
+                           "(AWS_* variables, ~/.aws; AWS_ENDPOINT_URL for an S3-compatible server) reach every "
+                           "node") from e
+    tag = next((info[k] for k in ("ETag", "etag", "LastModified", "last_modified", "mtime", "Last-Modified")
+                if info.get(k) is not None), "")
+    return f"{info.get('size')}:{tag}"
 
 
 def _filesystem(url: str):

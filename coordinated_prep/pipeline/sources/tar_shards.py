@@ -1,4 +1,4 @@
-"""WebDataset tar shards: a sample is the files that share a key inside a tar.
+"""WebDataset tar shards: a sample is the consecutive files that share a key inside a tar.
 
 The layout is WebDataset's (``webdataset.TarWriter`` writes it; so does ``coordprep convert
 --format tar``): in each shard, consecutive members ``<key>.<ext>``, where the key is the member's
@@ -6,7 +6,7 @@ path up to the first dot of its file name. A sample's image is its first member 
 an image's (:data:`IMAGE_EXTENSIONS`); its label is the integer in its ``cls`` member (as
 ``TarWriter`` writes ``{"cls": 3}``).
 
-A dataset names its shards one of two ways:
+A dataset names its shards in one of these ways:
 
 - a directory whose top level holds ``*.tar`` files and no subdirectory (sorted by name);
 - one ``.tar`` file;
@@ -44,6 +44,11 @@ _BRACES = re.compile(r"\{[^{}]*(\.\.|,)[^{}]*\}")
 _KEY = re.compile(r"^((?:.*/|)[^./][^.]*)\.([^/]*)$")  # WebDataset's split: key up to the file name's first dot
 
 
+def local_path(dataset: str) -> str:
+    """``dataset`` with a ``file://`` scheme taken off (a local path); other names unchanged."""
+    return dataset.removeprefix("file://") if dataset.startswith("file://") else dataset
+
+
 def is_tar_pattern(dataset: str) -> bool:
     """Whether ``dataset`` is a brace pattern of shards (``...{0000..0063}.tar``)."""
     return bool(_BRACES.search(dataset))
@@ -53,6 +58,7 @@ def is_tar_dataset(dataset: str) -> bool:
     """Whether ``dataset`` names tar shards: a brace pattern, a ``.tar`` file, a directory with
     ``*.tar`` at its top level and no subdirectory (a folder with both is read as an ImageFolder), or
     a URL of any of those (a prefix ending in ``/`` for a folder)."""
+    dataset = local_path(dataset)
     if is_tar_pattern(dataset) or (dataset.endswith(".tar") and (is_url(dataset) or os.path.isfile(dataset))):
         return True
     if is_url(dataset):
@@ -70,8 +76,7 @@ def shard_names(dataset: str) -> list[str]:
         DatasetError: A pattern that matches no file, a shard of it that is missing, or a remote
             folder that cannot be listed.
     """
-    if dataset.startswith("file://"):
-        dataset = dataset.removeprefix("file://")
+    dataset = local_path(dataset)
     if is_url(dataset):
         if is_tar_pattern(dataset):
             from braceexpand import braceexpand
@@ -108,7 +113,8 @@ class TarShardSource:
     """
 
     def __init__(self, dataset: str) -> None:
-        remote = is_url(dataset) and not dataset.startswith("file://")
+        dataset = local_path(dataset)
+        remote = is_url(dataset)
         self.root = dataset if is_tar_pattern(dataset) or remote else os.path.abspath(os.path.expanduser(dataset))
         self.urls: tuple[str, ...] = tuple(shard_names(dataset))  # what errors name: paths, or the URLs
         self.shards: tuple[str, ...] = tuple(fetched(self.urls)) if remote else self.urls  # local paths
@@ -169,25 +175,48 @@ class TarShardSource:
 
 
 def _index_shard(path: str, name: str) -> list[tuple[str, tuple[int, int], int]]:
-    """Per sample of shard ``path`` (named ``name`` in errors), in order: (key, (offset, size) of its image, label)."""
-    samples: dict[str, dict[str, tarfile.TarInfo]] = {}
+    """Per sample of shard ``path`` (named ``name`` in errors), in order: (key, (offset, size) of its
+    image, label). A sample is a run of consecutive members with one key, as WebDataset groups them;
+    a key that comes back after another, or an extension twice in one sample, is refused (WebDataset
+    would read two samples, or fail)."""
+    found: list[tuple[str, tuple[int, int], int]] = []
+    seen: set[str] = set()
     try:
         with tarfile.open(path, "r:") as tar:  # "r:": uncompressed, as WebDataset's shards are read with seeks
+            key, parts = None, {}
             for member in tar:
                 match = _KEY.match(member.name) if member.isfile() else None
-                if match is not None:  # a file with no extension is part of no sample (WebDataset skips it too)
-                    samples.setdefault(match.group(1), {})[match.group(2).lower()] = member
-            found = []
-            for key, parts in samples.items():
-                image = next((parts[e] for e in IMAGE_EXTENSIONS if e in parts), None)
-                if image is None:
-                    raise DatasetError(f"shard {name}, sample {key!r}: no image member (has {sorted(parts)}; one of "
-                                       f"{list(IMAGE_EXTENSIONS)} is needed)")
-                found.append((key, (image.offset_data, image.size), _label(tar, name, key, parts)))
+                if match is None:  # a file with no extension is part of no sample (WebDataset skips it too)
+                    continue
+                if match.group(1) != key:
+                    if key is not None:
+                        found.append(_sample(tar, name, key, parts))
+                    key, parts = match.group(1), {}
+                    if key in seen:
+                        raise DatasetError(f"shard {name}, sample {key!r}: its members are not consecutive (another "
+                                           "sample's lie between them); write each sample's files one after another, "
+                                           "as webdataset.TarWriter does")
+                    seen.add(key)
+                ext = match.group(2).lower()
+                if ext in parts:
+                    raise DatasetError(f"shard {name}, sample {key!r}: two {ext!r} members; a sample holds one file "
+                                       "per extension")
+                parts[ext] = member
+            if key is not None:
+                found.append(_sample(tar, name, key, parts))
     except (tarfile.TarError, OSError) as e:
         raise DatasetError(f"shard {name} is not a readable tar file ({e}); an uncompressed tar is needed "
                            "(write shards with webdataset.TarWriter or `coordprep convert --format tar`)") from e
     return found
+
+
+def _sample(tar: tarfile.TarFile, name: str, key: str,
+            parts: dict[str, tarfile.TarInfo]) -> tuple[str, tuple[int, int], int]:
+    image = next((parts[e] for e in IMAGE_EXTENSIONS if e in parts), None)
+    if image is None:
+        raise DatasetError(f"shard {name}, sample {key!r}: no image member (has {sorted(parts)}; one of "
+                           f"{list(IMAGE_EXTENSIONS)} is needed)")
+    return key, (image.offset_data, image.size), _label(tar, name, key, parts)
 
 
 def _label(tar: tarfile.TarFile, name: str, key: str, parts: dict[str, tarfile.TarInfo]) -> int:
