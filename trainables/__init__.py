@@ -1,28 +1,52 @@
-"""Ready Tune trainables that train with coordinated_prep's loaders."""
+"""Ready Tune trainables that train with coordinated_prep's loaders.
+
+The registries name each trainable's module and import it on first lookup: a trial that trains the
+small CNN never imports torchvision (about 2 s of CPU per trial process on these machines) because
+another trainable's module would.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+import importlib
+from typing import Any, Callable, Iterator, Mapping
 
-from torch import nn
 
-from trainables import audio, cifar, resnet, segmentation, small_cnn
+class _Lazy(Mapping[str, Any]):
+    """A read-only name -> ``"module:attribute"`` mapping whose values are imported when looked up."""
+
+    def __init__(self, paths: dict[str, str]) -> None:
+        self._paths = paths
+
+    def __getitem__(self, name: str) -> Any:
+        module, _, attr = self._paths[name].partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._paths)
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._paths!r})"
+
 
 #: Trainables a YAML sweep may name; any other must be given as ``module:function``.
-REGISTRY: dict[str, Callable[[dict], None]] = {
-    "small_cnn": small_cnn.train,
-    "resnet18": resnet.train,
+REGISTRY: Mapping[str, Callable[[dict], None]] = _Lazy({
+    "small_cnn": "trainables.small_cnn:train",
+    "resnet18": "trainables.resnet:train",
     # The examples that bring their own dataset and transforms (docs/pipelines.md): not in MODELS,
     # whose models ``coordprep analyze`` and ``coordprep memory`` feed the built-in (3, size, size) images.
-    "cifar_cnn": cifar.train,
-    "seg_unet": segmentation.train,
-    "audio_cnn": audio.train,
-}
+    "cifar_cnn": "trainables.cifar:train",
+    "seg_unet": "trainables.segmentation:train",
+    "audio_cnn": "trainables.audio:train",
+})
 
-#: The model each registered trainable trains (``build(num_classes, config)``), for ``coordprep analyze``.
-MODELS: dict[str, Callable[[int, Mapping[str, Any]], nn.Module]] = {
-    "small_cnn": small_cnn.build,
-    "resnet18": resnet.build,
-}
+#: The model each registered trainable trains (``build(num_classes, config)`` -> ``nn.Module``), for
+#: ``coordprep analyze``.
+MODELS: Mapping[str, Callable[[int, Mapping[str, Any]], Any]] = _Lazy({
+    "small_cnn": "trainables.small_cnn:build",
+    "resnet18": "trainables.resnet:build",
+})
 
 __all__ = ["MODELS", "REGISTRY"]
