@@ -79,9 +79,12 @@ def _serve_http(folder: str, log: str):
 
 
 def _serve_s3(log: str):
+    import logging
+
     from moto.server import DomainDispatcherApplication, create_backend_app
     from werkzeug.serving import make_server
 
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # quiet: the count is in the log file
     app = DomainDispatcherApplication(create_backend_app)
 
     def counting(environ, start_response):

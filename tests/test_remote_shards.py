@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import os
 import shutil
+import textwrap
 import threading
 
 import pytest
-from ray import tune
 
-from coordinated_prep import CoordinatedSearcher, DataSpec
 from coordinated_prep.convert import convert_to_tar
 from coordinated_prep.errors import DatasetError
-from coordinated_prep.pipeline.sources import open_source, remote
-from tests.harness import check_trial_records
-from tests.recording import load_records, record
+from coordinated_prep.pipeline.sources import open_source, photos, remote
+from coordinated_prep.sweep.config import load_sweep
+from coordinated_prep.sweep.runner import run_sweep
+from coordinated_prep.trial.loader import resolve_spec
+from tests.conftest import REPO, live_coordprep_actors, own_ray, shared_ray_settings
+from tests.harness import check_trial_records, train_ids
+from tests.recording import load_records
 from tests.servers import Server
 
 
@@ -112,20 +115,78 @@ def test_shards_in_an_s3_compatible_store_read_with_credentials_from_the_environ
         s3fs.S3FileSystem.clear_instance_cache()
 
 
-def test_a_sweep_over_shards_on_a_server_fetches_each_once_and_keeps_exact_epochs(ray_session, shards, tmp_path):
-    # The session's node cache (COORDPREP_CACHE, shared by the driver and Ray's workers): the
-    # server's port makes its URLs new to it.
-    with Server("http", str(tmp_path / "http.log"), shards) as server:
-        spec = DataSpec(dataset=f"{server.url}/shard-{{000000..000002}}.tar", pipeline={"size": 32}, seed=3,
-                        chunk_size=8, segments=3)
-        searcher = CoordinatedSearcher()
-        analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0,
-                            config={"data": spec, "batch_size": tune.grid_search([8, 12]), "epochs": 2,
-                                    "out": str(tmp_path / "records"), "delay_s": 0.02})
-        searcher.close()
-        assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
-        records = load_records(str(tmp_path / "records"))
-        for trial in analysis.trials:
-            check_trial_records(spec, records[trial.trial_id], trial.config["batch_size"], trial.trial_id)
-        # the driver, the coordinator, two prep actors and two trials opened the dataset: one GET per shard
-        assert _gets(server) == {f"/shard-{k:06d}.tar": 1 for k in range(3)}
+#: The shipped experiment's shards (experiments/s3-shards.yaml): the sweep below reads the same URL.
+S3_DATASET = "s3://coordprep-demo/photos/shard-{000000..000063}.tar"
+
+
+@pytest.fixture(scope="module")
+def s3_ray(tmp_path_factory):
+    """An S3-compatible server (moto's) on loopback, and this module's own Ray instance, whose
+    workers find it through the usual environment: the endpoint and credentials in ``AWS_*``
+    variables, as every node of a real cluster would have them."""
+    import ray
+    import s3fs
+
+    log = str(tmp_path_factory.mktemp("s3") / "s3.log")
+    with Server("s3", log) as server, pytest.MonkeyPatch.context() as env:
+        aws = {"AWS_ENDPOINT_URL": server.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+        for name, value in aws.items():
+            env.setenv(name, value)  # the driver's
+        s3fs.S3FileSystem.clear_instance_cache()
+        own_ray()  # this module's Ray is its own: the workers' environment is fixed when it starts
+        settings = shared_ray_settings()
+        settings["runtime_env"]["env_vars"].update(aws)
+        ray.init(**settings)
+        try:
+            yield server
+        finally:
+            ray.shutdown()
+            s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_a_yaml_sweep_of_eight_trials_over_64_shards_of_photographs_in_s3_fetches_each_shard_once(s3_ray, tmp_path,
+                                                                                                  monkeypatch):
+    import s3fs
+
+    # 64 shards of 2 real photographs each (500 x 375 JPEG crops of builtin:photos' photograph, 64 per
+    # class), in the bucket and folder experiments/s3-shards.yaml reads.
+    monkeypatch.setattr(photos, "IMAGES_PER_CLASS", 64)
+    subset = photos.ensure_photos(str(tmp_path / "photos"))
+    shards = convert_to_tar(subset, str(tmp_path / "shards"), shard_size=2).out
+    assert len(os.listdir(shards)) == 64
+    store = s3fs.S3FileSystem()
+    store.mkdir("coordprep-demo")
+    store.put(shards + "/", "coordprep-demo/photos/", recursive=True)
+    assert S3_DATASET in open(os.path.join(REPO, "experiments", "s3-shards.yaml")).read()
+    before = _gets(s3_ray)
+
+    path = tmp_path / "s3.yaml"
+    path.write_text(textwrap.dedent(f"""
+        name: s3
+        storage_path: {tmp_path / "runs"}
+        trainable: tests.recording:record
+        data: {{dataset: "{S3_DATASET}", pipeline: {{size: 32}}, seed: 3, chunk_size: 8, segments: 4}}
+        search_space: {{batch_size: {{grid: [8, 12]}}, epochs: 2, out: {tmp_path / "records"}, delay_s: 0.005}}
+        num_samples: 4
+        max_concurrent_trials: 4
+        reuse_actors: true
+        resources_per_trial: {{cpu: 0.25}}
+        metric: score
+    """))
+    cfg = load_sweep(str(path))
+    summary = run_sweep(cfg, verbose=0)
+    trials = summary["trials"]
+    assert len(trials) == 8 and all(t["status"] == "TERMINATED" for t in trials), trials
+    spec = resolve_spec({"data": cfg.data})
+    records = load_records(str(tmp_path / "records"))
+    assert sorted(records) == sorted(t["trial"] for t in trials)
+    for trial in trials:  # every trial: exact epochs, with the bytes it would prepare alone
+        check_trial_records(spec, records[trial["trial"]], trial["batch_size"], trial["trial"])
+    # The driver, the coordinator, the prep actors and eight trials opened the dataset: one GET of
+    # each shard for the whole sweep, counted by the server.
+    fetched = {p: n - before.get(p, 0) for p, n in _gets(s3_ray).items() if p.endswith(".tar")}
+    assert fetched == {f"/coordprep-demo/photos/shard-{k:06d}.tar": 1 for k in range(64)}, fetched
+    [group] = summary["groups"].values()
+    assert group["samples_served"] == 8 * 2 * len(train_ids(spec)), group
+    assert live_coordprep_actors() == []
