@@ -17,7 +17,7 @@ from coordinated_prep.pipeline.sources import open_source, photos, remote
 from coordinated_prep.sweep.config import load_sweep
 from coordinated_prep.sweep.runner import run_sweep
 from coordinated_prep.trial.loader import resolve_spec
-from tests.conftest import REPO, live_coordprep_actors, own_ray, shared_ray_settings
+from tests.conftest import REPO, live_coordprep_actors, own_ray, settled, shared_ray_settings
 from tests.harness import check_trial_records, train_ids
 from tests.recording import load_records
 from tests.servers import Server
@@ -88,6 +88,51 @@ def test_shards_over_http_are_fetched_once_per_node_and_read_byte_for_byte(small
         os.utime(first, (os.path.getmtime(first) + 100,) * 2)  # the shard replaced at its URL: a new version
         assert open_source.__wrapped__(url).read(0) == folder.read(0)
         assert _gets(server)["/shard-000000.tar"] == 2 and _gets(server)["/shard-000001.tar"] == 1
+
+
+def _blocked_flocks() -> int:
+    """Blocked requests for a flock on this machine (``/proc/locks``' "->" lines)."""
+    with open("/proc/locks") as f:
+        return sum(1 for line in f if "-> FLOCK" in line)
+
+
+def test_openers_waiting_for_a_holder_that_gives_up_raise_its_error_without_fetching_again(shards, node_cache,
+                                                                                          tmp_path, monkeypatch):
+    shutil.copy(os.path.join(shards, "shard-000000.tar"), os.path.join(shards, "broken-000000.tar"))
+    gate, first = threading.Event(), threading.Lock()
+    download = remote._download
+
+    def gated(*args) -> None:  # the lock holder's first attempt waits until the others wait on the lock
+        if first.acquire(blocking=False):
+            gate.wait(timeout=60)
+        download(*args)
+
+    monkeypatch.setattr(remote, "_download", gated)
+    with Server("http", str(tmp_path / "http.log"), shards) as server:
+        url = f"{server.url}/broken-000000.tar"
+        errors: list[BaseException] = []
+
+        def open_one() -> None:
+            try:
+                open_source.__wrapped__(url)
+            except Exception as e:  # each opener's error, compared below
+                errors.append(e)
+
+        base = _blocked_flocks()
+        threads = [threading.Thread(target=open_one) for _ in range(4)]
+        for t in threads:
+            t.start()
+        assert settled(_blocked_flocks, base + 3, timeout_s=30) == base + 3, "three openers wait on the lock"
+        gate.set()
+        for t in threads:
+            t.join(timeout=60)
+        assert len(errors) == 4 and all(isinstance(e, DatasetError) for e in errors), errors
+        assert len({str(e) for e in errors}) == 1 and "could not be fetched in 3 attempts" in str(errors[0]), errors
+        assert _gets(server)["/broken-000000.tar"] == remote.ATTEMPTS, "the holder's attempts only"
+
+        with pytest.raises(DatasetError, match="could not be fetched in 3 attempts"):  # asked later: tried again
+            open_source.__wrapped__(url)
+        assert _gets(server)["/broken-000000.tar"] == 2 * remote.ATTEMPTS
 
 
 def test_shards_in_an_s3_compatible_store_read_with_credentials_from_the_environment(shards, node_cache, tmp_path,

@@ -11,7 +11,9 @@ after them, so a shard replaced at its URL is fetched anew), take the copy's loc
 the kernel releases it if its holder dies, so a waiter waits at most for one bounded fetch of a
 live holder), return the copy if an earlier holder left it, else fetch into ``<copy>.part`` in at
 most :data:`ATTEMPTS` attempts (fsspec's own timeouts bound each), then ``fsync`` and rename it into
-place: a copy either exists whole or not at all. Credentials come from where each filesystem looks (``AWS_*`` variables and
+place: a copy either exists whole or not at all. A holder that gives up leaves its error in
+``<copy>.failed``; the processes that waited for it raise that error instead of trying again each
+(a process that opens the shard later does try again). Credentials come from where each filesystem looks (``AWS_*`` variables and
 ``~/.aws`` for ``s3://`` through s3fs, ``AWS_ENDPOINT_URL`` for an S3-compatible server).
 """
 
@@ -85,10 +87,17 @@ def _fetch(url: str, folder: str) -> str:
     path = os.path.join(folder, name)
     if os.path.exists(path):
         return path
+    asked = time.time()
     with open(path + ".lock", "a+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if the holder dies (module docstring)
         if os.path.exists(path):
             return path  # an earlier holder fetched it
+        failed = path + ".failed"
+        if os.path.exists(failed) and os.path.getmtime(failed) >= asked:
+            # The holder this process waited for gave up while it waited: its error, not 3 more GETs
+            # per waiting process. A process that asks later tries again (an outage may be over).
+            with open(failed) as f:
+                raise DatasetError(f.read())
         part = path + ".part"  # one name per copy: what a killed holder left is replaced by the next
         last: BaseException | None = None
         for attempt in range(ATTEMPTS):
@@ -96,10 +105,12 @@ def _fetch(url: str, folder: str) -> str:
                 time.sleep(BACKOFF_S * 2 ** (attempt - 1))  # a backoff between attempts, not a wait for anyone
             try:
                 started = time.perf_counter()
-                fs.get_file(remote, part)
+                _download(fs, remote, part)
                 with open(part, "rb") as f:
                     os.fsync(f.fileno())
                 os.replace(part, path)
+                if os.path.exists(failed):  # an earlier holder's failure, older than every waiter now
+                    os.remove(failed)
                 logger.info("fetched %s into the node's shard cache (%d bytes, %.2f s)", url, os.path.getsize(path),
                             time.perf_counter() - started)
                 return path
@@ -109,9 +120,18 @@ def _fetch(url: str, folder: str) -> str:
             finally:
                 if os.path.exists(part):
                     os.remove(part)
-    raise DatasetError(f"shard {url}: could not be fetched in {ATTEMPTS} attempts, last error {last!r}; check that "
-                       "the URL exists and the credentials (AWS_* variables, ~/.aws; AWS_ENDPOINT_URL for an "
-                       "S3-compatible server) reach every node")
+        message = (f"shard {url}: could not be fetched in {ATTEMPTS} attempts, last error {last!r}; check that the "
+                   "URL exists and the credentials (AWS_* variables, ~/.aws; AWS_ENDPOINT_URL for an S3-compatible "
+                   "server) reach every node")
+        with open(failed + ".tmp", "w") as f:  # for the processes waiting on the lock now (above)
+            f.write(message)
+        os.replace(failed + ".tmp", failed)
+    raise DatasetError(message)
+
+
+def _download(fs, remote: str, local: str) -> None:
+    """One attempt at copying ``remote`` to ``local`` (bounded by the filesystem's own timeouts)."""
+    fs.get_file(remote, local)
 
 
 def _version(fs, remote: str, url: str) -> str:
