@@ -13,8 +13,8 @@ import ray.cloudpickle
 from ray import tune
 
 from coordinated_prep import _MOVED as MOVED_MODULES
-from coordinated_prep import train_loader
-from tests.conftest import REPO
+from coordinated_prep import CoordinatedSearcher, train_loader
+from tests.conftest import REPO, live_coordprep_actors, settled
 
 FIXTURE = os.path.join(REPO, "tests", "data", "before_move")  # written by main at 39c0644, before the move
 PACKAGES = ("coordinated_prep", "trainables")
@@ -118,3 +118,9 @@ def test_an_experiment_saved_before_the_move_restores(ray_session, tmp_path):
     assert {r.metrics["seen"] for r in results} == {2700}  # what the trials read before the move
     fitted = restored.fit()  # nothing left to run: the restored state is complete
     assert len(fitted) == 2 and not fitted.errors
+    # Tune's restored copy of the searcher started this job's registry: a twin attaches and closes it,
+    # as coordprep sweep --resume does, so that no later sweep of the session finds it.
+    twin = CoordinatedSearcher()
+    if twin.attach():
+        twin.close()
+    assert settled(live_coordprep_actors, []) == []
