@@ -61,11 +61,11 @@ def joiner(config: dict) -> None:
         _save(config["out"], trial, epoch, list(loader), loader)
 
 
-def test_a_joiner_past_the_head_finishes_when_the_trials_before_it_leave(ray_session, small_dataset, tmp_path):
+def test_a_joiner_past_the_head_finishes_when_the_trials_before_it_leave(ray_session, small_dataset, tmp_path, warm_pool):
     baseline = plasma_objects()
     spec = _spec(small_dataset, segments=2, fetch_timeout_s=60)  # a stranded joiner would fail after 60 s
     gates = [Gate.options(name=n, namespace="coordinated_prep").remote() for n in ("mid-epoch", "joined")]
-    searcher = CoordinatedSearcher()
+    searcher = CoordinatedSearcher(pool=warm_pool)
     analysis = tune.run(tune.with_resources(joiner, {"cpu": 0.25}), search_alg=searcher, verbose=0,
                         config={"data": spec, "role": tune.grid_search(["first", "second"]), "out": str(tmp_path)})
     [report] = searcher.group_reports().values()
@@ -80,12 +80,12 @@ def test_a_joiner_past_the_head_finishes_when_the_trials_before_it_leave(ray_ses
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
-def test_a_lone_trial_evaluating_longer_than_the_lease_is_not_detached(ray_session, small_dataset, tmp_path):
+def test_a_lone_trial_evaluating_longer_than_the_lease_is_not_detached(ray_session, small_dataset, tmp_path, warm_pool):
     baseline = plasma_objects()
     # The budget holds two pieces, so the lone trial's prefetched pieces fill it while it evaluates
     # for far longer than the lease; nobody waits for a piece then, so nobody is detached.
     spec = _spec(small_dataset, staging_bytes=2 * PIECE, lease_s=0.3)
-    searcher = CoordinatedSearcher()
+    searcher = CoordinatedSearcher(pool=warm_pool)
     analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0,
                         config={"data": spec, "batch_size": 8, "epochs": tune.grid_search([1, 3]), "eval_s": 1.5,
                                 "out": str(tmp_path)})
@@ -118,10 +118,10 @@ def two_loaders(config: dict) -> None:
             _save(config["out"], f"{trial}-{k}", epoch, got[k], loader)
 
 
-def test_several_loaders_in_one_trial_each_get_exact_epochs(ray_session, small_dataset, tmp_path):
+def test_several_loaders_in_one_trial_each_get_exact_epochs(ray_session, small_dataset, tmp_path, warm_pool):
     baseline = plasma_objects()
     spec, other = _spec(small_dataset), _spec(small_dataset, pipeline={"size": 24})
-    searcher = CoordinatedSearcher()
+    searcher = CoordinatedSearcher(pool=warm_pool)
     analysis = tune.run(tune.with_resources(two_loaders, {"cpu": 0.25}), search_alg=searcher, verbose=0,
                         config={"data": spec, "other": other, "out": str(tmp_path), "n": tune.grid_search([1, 2])})
     reports = searcher.group_reports()
@@ -178,10 +178,10 @@ def test_a_sweep_over_four_crop_sizes_costs_one_groups_processes_and_budget(ray_
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
-def test_a_sweep_interrupted_mid_way_resumes_with_tuner_restore(ray_session, small_dataset, tmp_path):
+def test_a_sweep_interrupted_mid_way_resumes_with_tuner_restore(ray_session, small_dataset, tmp_path, warm_pool):
     baseline = plasma_objects()
     spec = _spec(small_dataset)
-    searcher = CoordinatedSearcher(max_concurrent=2)
+    searcher = CoordinatedSearcher(max_concurrent=2, pool=warm_pool)
     param_space = {"data": spec, "batch_size": 8, "epochs": 3, "checkpoint": True, "delay_s": 0.02,
                    "score": tune.grid_search([1, 2, 3, 4]), "out": str(tmp_path / "records")}
     run = tune.RunConfig(name="interrupted", storage_path=str(tmp_path / "results"), verbose=0,
@@ -217,10 +217,10 @@ def cut_short(config: dict) -> None:
         _save(config["out"], trial, epoch, list(loader), loader)
 
 
-def test_an_epoch_cut_short_is_passed_over_and_the_next_ones_are_exact(ray_session, small_dataset, tmp_path):
+def test_an_epoch_cut_short_is_passed_over_and_the_next_ones_are_exact(ray_session, small_dataset, tmp_path, warm_pool):
     baseline = plasma_objects()
     spec = _spec(small_dataset, fetch_timeout_s=60)
-    searcher = CoordinatedSearcher()
+    searcher = CoordinatedSearcher(pool=warm_pool)
     analysis = tune.run(tune.with_resources(cut_short, {"cpu": 0.25}), search_alg=searcher, verbose=0,
                         config={"data": spec, "out": str(tmp_path), "n": tune.grid_search([1, 2])})
     [report] = searcher.group_reports().values()
@@ -259,13 +259,13 @@ def straggler(config: dict) -> None:
     _save(config["out"], trial, 0, batches, loader)
 
 
-def test_a_straggler_that_cuts_its_epochs_short_is_detached_within_the_lease(ray_session, small_dataset, tmp_path):
+def test_a_straggler_that_cuts_its_epochs_short_is_detached_within_the_lease(ray_session, small_dataset, tmp_path, warm_pool):
     baseline = plasma_objects()
     # fetch_timeout_s is far below the straggler's stall: fast finishes only if the lease (1 s)
     # detaches the straggler; a straggler the lease spared would fail fast's fetch after 60 s.
     spec = _spec(small_dataset, staging_bytes=3 * PIECE, lease_s=1.0, fetch_timeout_s=60)
     gates = [Gate.options(name=n, namespace="coordinated_prep").remote() for n in ("cut", "fast-done")]
-    searcher = CoordinatedSearcher()
+    searcher = CoordinatedSearcher(pool=warm_pool)
     analysis = tune.run(tune.with_resources(straggler, {"cpu": 0.25}), search_alg=searcher, verbose=0,
                         config={"data": spec, "role": tune.grid_search(["fast", "slow"]), "out": str(tmp_path)})
     [report] = searcher.group_reports().values()

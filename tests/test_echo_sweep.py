@@ -148,9 +148,9 @@ def ready_consumer(config: dict) -> None:
                  "ready_before": ready_before, "samples": loader.samples_per_epoch})
 
 
-def test_auto_never_echoes_when_the_shared_stream_is_always_ready(ray_session, small_dataset):
+def test_auto_never_echoes_when_the_shared_stream_is_always_ready(ray_session, small_dataset, warm_pool):
     spec = DataSpec(dataset=small_dataset, pipeline={"size": 32}, seed=6, chunk_size=8, segments=4)
-    searcher = CoordinatedSearcher()
+    searcher = CoordinatedSearcher(pool=warm_pool)
     analysis = tune.run(tune.with_resources(ready_consumer, {"cpu": 0.25}), search_alg=searcher, verbose=0,
                         config={"data": spec})
     searcher.close()

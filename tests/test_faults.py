@@ -119,7 +119,7 @@ def test_skip_policy_leaves_a_truncated_jpeg_out_for_every_trial(ray_session, tm
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
-def test_evaluation_with_a_corrupt_held_out_file_under_skip(ray_session, tmp_path):
+def test_evaluation_with_a_corrupt_held_out_file_under_skip(ray_session, tmp_path, warm_pool):
     from ray import tune
 
     from coordinated_prep import CoordinatedSearcher
@@ -135,7 +135,7 @@ def test_evaluation_with_a_corrupt_held_out_file_under_skip(ray_session, tmp_pat
     with open(broken, "wb") as f:
         f.write(b"not a jpeg")
     spec = DataSpec(dataset=root, pipeline={"size": 16}, seed=1, chunk_size=8, holdout=0.1, on_error="skip")
-    searcher = CoordinatedSearcher()
+    searcher = CoordinatedSearcher(pool=warm_pool)
     try:
         analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0,
                             raise_on_failed_trial=False,
@@ -153,7 +153,7 @@ def test_evaluation_with_a_corrupt_held_out_file_under_skip(ray_session, tmp_pat
     assert sum(len(b) for b in eval_loader(dataclasses.replace(spec, coordinated=False), 8)) == len(held) - 1
 
 
-def test_a_loader_dropped_without_close_leaves_its_group(ray_session, small_dataset):
+def test_a_loader_dropped_without_close_leaves_its_group(ray_session, small_dataset, warm_pool):
     import gc
 
     from coordinated_prep import CoordinatedSearcher
@@ -162,7 +162,7 @@ def test_a_loader_dropped_without_close_leaves_its_group(ray_session, small_data
     from tests.conftest import settled
 
     spec = DataSpec(dataset=small_dataset, pipeline={"size": 16}, chunk_size=8)
-    searcher = CoordinatedSearcher()
+    searcher = CoordinatedSearcher(pool=warm_pool)
     searcher.start()
     try:
         kept = TrainLoader(SharedStream(spec, "t1", "t1", 8), 8)  # this one stays

@@ -15,6 +15,9 @@ def test_defaults_are_one_actor_per_cpu_reserving_half_and_a_quarter_of_the_stor
     assert spec.actors_for(8) == 8 and spec.cpus_for(8) == 4 and spec.budget_for(1000) == 250
     assert spec.actors_for(0.5) == 1, "a node with less than a CPU still gets an actor"
     assert PoolSpec(actors=3, cpus=0, staging_bytes="1KiB").budget_for(10**9) == 1024
+    assert spec.shape_for(2) == (2, 0.5) and PoolSpec(actors=3, cpus=8).shape_for(4) == (3, 4 / 3), \
+        "a pool never reserves more CPUs than its node has"
+    assert not spec.keep_warm
 
 
 @pytest.mark.parametrize("values, message", [
@@ -23,6 +26,7 @@ def test_defaults_are_one_actor_per_cpu_reserving_half_and_a_quarter_of_the_stor
     ({"staging_fraction": 1.0}, r"pool.staging_fraction=1.0 must be in \(0, 0.9\]"),
     ({"staging_bytes": "lots"}, r"pool.staging_bytes='lots' must be a byte count"),
     ({"actor": 2}, r"pool: unknown key\(s\) \['actor'\]"),
+    ({"keep_warm": "yes"}, r"pool.keep_warm='yes' must be true or false"),
 ])
 def test_bad_values_name_the_key(values, message):
     with pytest.raises(ConfigError, match=message):

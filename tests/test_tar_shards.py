@@ -133,12 +133,12 @@ def test_shards_that_break_the_layout_are_refused_naming_shard_key_and_fix(small
     assert len(open_source.__wrapped__(f"file://{tmp_path / 'j'}")) == 180, "a file:// folder of shards"
 
 
-def test_a_sweep_over_tar_shards_shares_exact_epochs(ray_session, small_dataset, tmp_path):
+def test_a_sweep_over_tar_shards_shares_exact_epochs(ray_session, small_dataset, tmp_path, warm_pool):
     out = convert_to_tar(small_dataset, str(tmp_path / "tar"), shard_size=40).out
     spec = DataSpec(dataset=str(tmp_path / "tar" / "shard-{000000..000004}.tar"), pipeline={"size": 32},
                     seed=3, chunk_size=8, segments=3)
     assert open_source(spec.dataset).shards == tuple(os.path.join(out, f"shard-{k:06d}.tar") for k in range(5))
-    searcher = CoordinatedSearcher()
+    searcher = CoordinatedSearcher(pool=warm_pool)
     analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0,
                         config={"data": spec, "batch_size": tune.grid_search([8, 12]), "epochs": 2,
                                 "out": str(tmp_path / "records"), "delay_s": 0.02})

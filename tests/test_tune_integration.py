@@ -28,10 +28,10 @@ def _spec(dataset: str, **overrides) -> DataSpec:
     return DataSpec(**values)
 
 
-def test_concurrent_trials_of_different_batch_sizes_share_one_pipeline(ray_session, small_dataset, tmp_path):
+def test_concurrent_trials_of_different_batch_sizes_share_one_pipeline(ray_session, small_dataset, tmp_path, warm_pool):
     baseline = plasma_objects()
     spec = _spec(small_dataset)
-    searcher = CoordinatedSearcher()
+    searcher = CoordinatedSearcher(pool=warm_pool)
     sizes = [8, 12, 20, 7]
     analysis = tune.run(
         tune.with_resources(record, {"cpu": 0.25}), config={"data": spec, "batch_size": tune.grid_search(sizes), "epochs": EPOCHS, "out": str(tmp_path),
@@ -72,11 +72,11 @@ def test_concurrent_trials_of_different_batch_sizes_share_one_pipeline(ray_sessi
     assert plasma_objects_settled(baseline) <= baseline, "pieces of ours left in the object store"
 
 
-def test_tuner_groups_by_spec_and_unshared_trials_match(ray_session, small_dataset, tmp_path):
+def test_tuner_groups_by_spec_and_unshared_trials_match(ray_session, small_dataset, tmp_path, warm_pool):
     baseline = plasma_objects()
     a, b = _spec(small_dataset, seed=1), _spec(small_dataset, seed=2)
     unshared = _spec(small_dataset, seed=1, coordinated=False)
-    searcher = CoordinatedSearcher(max_concurrent=4)
+    searcher = CoordinatedSearcher(max_concurrent=4, pool=warm_pool)
     tuner = tune.Tuner(
         tune.with_resources(record, {"cpu": 0.25}),
         param_space={"data": tune.grid_search([a, b, unshared, a]), "batch_size": 16, "epochs": 2,
@@ -98,10 +98,10 @@ def test_tuner_groups_by_spec_and_unshared_trials_match(ray_session, small_datas
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
-def test_asha_stops_trials_early_without_leaks(ray_session, small_dataset, tmp_path):
+def test_asha_stops_trials_early_without_leaks(ray_session, small_dataset, tmp_path, warm_pool):
     baseline = plasma_objects()
     spec = _spec(small_dataset)
-    searcher = CoordinatedSearcher(max_concurrent=2)
+    searcher = CoordinatedSearcher(max_concurrent=2, pool=warm_pool)
     epochs = 4
     analysis = tune.run(
         tune.with_resources(record, {"cpu": 0.25}), config={"data": spec, "batch_size": 16, "epochs": epochs, "out": str(tmp_path),
@@ -137,9 +137,9 @@ def _lifetime(config):
     tune.report({"start": start, "end": time.time()})
 
 
-def test_tune_configs_max_concurrent_trials_is_honoured(ray_session, tmp_path):
+def test_tune_configs_max_concurrent_trials_is_honoured(ray_session, tmp_path, warm_pool):
     """Tune drops max_concurrent_trials for a SearchAlgorithm; the CoordinatedSearcher applies it."""
-    searcher = CoordinatedSearcher()
+    searcher = CoordinatedSearcher(pool=warm_pool)
     tuner = tune.Tuner(tune.with_resources(_lifetime, {"cpu": 0.25}), param_space={"i": tune.grid_search([0, 1, 2])},
                        tune_config=tune.TuneConfig(search_alg=searcher, max_concurrent_trials=1),
                        run_config=tune.RunConfig(verbose=0, storage_path=str(tmp_path)))
@@ -157,7 +157,7 @@ def _grouped_lifetime(config):
     tune.report({"start": start, "end": time.time(), "group": config["data"].group_key})
 
 
-def test_a_grids_trials_run_group_by_group(ray_session, small_dataset, tmp_path):
+def test_a_grids_trials_run_group_by_group(ray_session, small_dataset, tmp_path, warm_pool):
     """Tune generates a YAML grid over two data groups as A, B, A, B (num_samples: 2); two at a
     time, the searcher runs them as A, A, B, B. (How each suggestion's group is read, DataSpecs in
     the grid included, is tested without Ray in tests/test_group_order.py.)"""
@@ -168,7 +168,7 @@ def test_a_grids_trials_run_group_by_group(ray_session, small_dataset, tmp_path)
     search = DataSearch({"dataset": small_dataset, "pipeline": {"size": 32, "scale": [0.3, 1.0]}, "chunk_size": 8,
                          "segments": 4, "lookahead": LOOKAHEAD}, ("data.seed",))
     param_space = {"data.seed": tune.grid_search([1, 2]), "data": search.to_tune()}
-    searcher = CoordinatedSearcher()
+    searcher = CoordinatedSearcher(pool=warm_pool)
     tuner = tune.Tuner(tune.with_resources(_grouped_lifetime, {"cpu": 0.25}), param_space=param_space,
                        tune_config=tune.TuneConfig(search_alg=searcher, max_concurrent_trials=2, num_samples=2),
                        run_config=tune.RunConfig(verbose=0, storage_path=str(tmp_path)))
@@ -194,7 +194,7 @@ def test_a_sweeps_config_reused_outside_tune_prepares_in_process(small_dataset):
                           np.concatenate([sample_digests(b.images.numpy()) for b in want]))
 
 
-def test_a_corrupt_jpeg_fails_its_trials_naming_the_file(ray_session, tmp_path):
+def test_a_corrupt_jpeg_fails_its_trials_naming_the_file(ray_session, tmp_path, warm_pool):
     import shutil
 
     from tests.utils import make_imagefolder
@@ -206,7 +206,7 @@ def test_a_corrupt_jpeg_fails_its_trials_naming_the_file(ray_session, tmp_path):
         f.truncate(60)
     open_source.cache_clear()
     baseline = plasma_objects()
-    searcher = CoordinatedSearcher()
+    searcher = CoordinatedSearcher(pool=warm_pool)
     analysis = tune.run(
         tune.with_resources(record, {"cpu": 0.25}),
         config={"data": spec, "batch_size": 8, "epochs": 1, "out": str(tmp_path / "records"),
@@ -222,10 +222,10 @@ def test_a_corrupt_jpeg_fails_its_trials_naming_the_file(ray_session, tmp_path):
     shutil.rmtree(root)
 
 
-def test_the_dali_backend_shares_exact_epochs(ray_session, small_dataset, tmp_path):
+def test_the_dali_backend_shares_exact_epochs(ray_session, small_dataset, tmp_path, warm_pool):
     baseline = plasma_objects()
     spec = _spec(small_dataset, pipeline={"size": 32, "scale": [0.3, 1.0], "backend": "dali"})
-    searcher = CoordinatedSearcher()
+    searcher = CoordinatedSearcher(pool=warm_pool)
     analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}),
                         config={"data": spec, "batch_size": tune.grid_search([8, 16]), "epochs": 2,
                                 "out": str(tmp_path), "delay_s": 0.02},

@@ -55,6 +55,10 @@ def run_bench(cfg: BenchConfig, progress: Callable[[dict[str, Any]], None] | Non
     """
     import ray
 
+    from coordinated_prep.pool import warm
+
+    if ray.is_initialized():
+        warm.release()  # every loader's start-up is measured from cold, and nothing else holds CPUs
     images, records, shards = prepare_records(cfg)  # generates the dataset too, before any trial needs it
     rows: list[dict[str, Any]] = []
 

@@ -4,8 +4,10 @@ decoded tier (:mod:`coordinated_prep.tier`).
 Ownership: the sweep's :class:`~coordinated_prep.stream.registry.GroupRegistry` creates one ``NodePool``
 per node when the sweep starts (every live node) or when a trial first runs on a node that joined
 later, and kills its actors in ``shutdown``; the actors are the registry's (Ray's owner), so they
-outlive any one coordinator. Coordinators hold handles and submit pieces to them, and own the
-pieces they get back. The pool starts before the first trial is placed: its actors reserve their
+outlive any one coordinator. The exception is a pool that starts on prep actors lent by the
+driver (kept warm from its previous sweep, :mod:`coordinated_prep.pool.warm`): the driver owns
+those; the pool hands them this sweep's cache and tier when it starts and never kills them.
+Coordinators hold handles and submit pieces to them, and own the pieces they get back. The pool starts before the first trial is placed: its actors reserve their
 CPUs before Tune's trials can take them, and have imported torch by the time the first piece is
 asked for (a warm start).
 """
@@ -48,14 +50,16 @@ class NodePool:
         store_bytes: The node's object store size.
         spec: The sweep's pool options.
         cache: The sweep's cache layout and options, handed to the prep actors; None: no cache.
+        lent: Prep actors of this node's shape lent by the driver (``pool.keep_warm``), used
+            instead of new ones; None: the pool starts its own.
     """
 
     def __init__(self, node: str, cpus: float, store_bytes: float, spec: PoolSpec,
-                 cache: tuple[CacheLayout, CacheSpec] | None) -> None:
+                 cache: tuple[CacheLayout, CacheSpec] | None, lent: list[Any] | None = None) -> None:
         self.node = node
         self.spec = spec
-        n = spec.actors_for(cpus)
-        self.reserved_cpus = min(spec.cpus_for(cpus), cpus)
+        n, each = spec.shape_for(cpus)
+        self.reserved_cpus = n * each
         self.budget_bytes = spec.budget_for(store_bytes)
         self.decoded_bytes = spec.decoded_for(store_bytes)
         affinity = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
@@ -63,11 +67,15 @@ class NodePool:
         if self.decoded_bytes > 0:
             self.tier = DecodedTier.options(scheduling_strategy=affinity).remote(self.decoded_bytes, node,
                                                                                  CLAIM_TIMEOUT_S)
-        self.actors: list[Any] = [
-            PrepActor.options(num_cpus=self.reserved_cpus / n, scheduling_strategy=affinity).remote(
-                cache, (self.tier, CLAIM_TIMEOUT_S) if self.tier is not None else None)
-            for _ in range(n)
-        ]
+        tier = (self.tier, CLAIM_TIMEOUT_S) if self.tier is not None else None
+        self.lent = bool(lent)
+        if lent:  # warm: this sweep's cache and tier, and nothing of the last sweep's kept
+            self.actors: list[Any] = list(lent)
+            self._started = [a.reset.remote(cache, tier) for a in self.actors]
+        else:
+            self.actors = [PrepActor.options(num_cpus=each, scheduling_strategy=affinity).remote(cache, tier)
+                           for _ in range(n)]
+            self._started = [a.__ray_ready__.remote() for a in self.actors]
         logger.info("node %s: prep pool of %d actors reserving %.2f CPUs, staging budget %d bytes, decoded tier "
                     "%d bytes", node, n, self.reserved_cpus, self.budget_bytes, self.decoded_bytes)
 
@@ -79,9 +87,8 @@ class NodePool:
                 naming the node, the CPUs asked for and the fix.
         """
         try:
-            actors = self.actors + ([self.tier] if self.tier is not None else [])
-            await asyncio.wait_for(asyncio.gather(*(a.__ray_ready__.remote() for a in actors)),
-                                   self.spec.start_timeout_s)
+            tier = [self.tier.__ray_ready__.remote()] if self.tier is not None else []
+            await asyncio.wait_for(asyncio.gather(*self._started, *tier), self.spec.start_timeout_s)
         except (asyncio.TimeoutError, ray.exceptions.RayError) as e:
             raise PrepError(
                 f"the prep pool of node {self.node} ({len(self.actors)} actors reserving {self.reserved_cpus:.2f} "
@@ -90,9 +97,11 @@ class NodePool:
             ) from None
 
     def kill(self) -> None:
-        """Kill every actor (no restart); pieces their coordinators own are unaffected."""
+        """Kill every actor (no restart) but lent ones, which the driver keeps or kills; pieces their
+        coordinators own are unaffected."""
         for actor in self.actors:
-            ray.kill(actor, no_restart=True)
+            if not self.lent:
+                ray.kill(actor, no_restart=True)
         if self.tier is not None:  # its kept objects are freed with it (it owns them)
             ray.kill(self.tier, no_restart=True)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
@@ -52,12 +53,25 @@ class PrepActor:
         import coordinated_prep.pipeline.backends.torchvision_backend  # noqa: F401  (now, not in the first piece)
 
         torch.set_num_threads(1)  # one actor per core; and every preparation runs with one thread (seeding, rule 1)
+        self._buffer = ReusedBuffer()
+        self.reset(cache, tier)
+
+    def reset(self, cache: tuple[CacheLayout, CacheSpec] | None = None, tier: tuple[Any, float] | None = None) -> None:
+        """Serve a new sweep (a pool kept warm, :mod:`coordinated_prep.pool.warm`): its cache and tier,
+        and no pipeline, spec, opened dataset or folder index of the last one (a dataset may have
+        changed since, and the last sweep's objects must leave the store)."""
+        from coordinated_prep.pipeline import datasets
+        from coordinated_prep.pipeline.sources import shared_index
+
+        open_source.cache_clear()
+        datasets._built.cache_clear()
+        shared_index.forget()
         self._cache = cache
         self._tier = TierClient(tier[0], ray.get_runtime_context().get_actor_id(), tier[1]) if tier else None
         self._pipelines: dict[str, Pipeline] = {}
         self._specs: dict[str, DataSpec] = {}
-        self._buffer = ReusedBuffer()
         self._sources: dict[str, tuple[Any, CachedSource | None]] = {}
+        gc.collect()  # what a failed piece's traceback still held (a cycle through its frames): the spec box's ref
 
     def probe(self, spec: DataSpec, mode: str = "train") -> tuple[int, Probe]:
         """A group's start: (samples in the dataset, the layout and bytes of its training or

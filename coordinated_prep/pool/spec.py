@@ -40,6 +40,12 @@ class PoolSpec:
             a quarter keeps the sum with staging's quarter at half, leaving the rest to the trials
             and evaluation, and never makes the store spill. ``0`` turns the tier off.
         decoded_bytes: The decoded tier's budget in bytes (``"2GiB"``); overrides ``decoded_fraction``.
+        keep_warm: Keep the prep actors running when the sweep is closed, for the next sweep of the
+            same driver process (a notebook, a script of sweeps): a pool of the same shape (actors
+            and CPUs per node) then starts on them, without importing torch again
+            (:mod:`coordinated_prep.pool.warm`). They hold their CPUs until then; a sweep closed
+            without ``keep_warm``, :func:`~coordinated_prep.pool.warm.release` or the driver's
+            exit ends them.
     """
 
     actors: int | None = None
@@ -50,6 +56,7 @@ class PoolSpec:
     eval_fraction: float = 0.5
     decoded_fraction: float = 0.25
     decoded_bytes: int | str | None = None
+    keep_warm: bool = False
 
     def __post_init__(self) -> None:
         if self.actors is not None and (not isinstance(self.actors, int) or isinstance(self.actors, bool)
@@ -76,6 +83,8 @@ class PoolSpec:
             raise ConfigError(f"pool.staging_fraction={self.staging_fraction} and pool.decoded_fraction="
                               f"{self.decoded_fraction} add up to more than 0.9 of the object store, which would "
                               "leave the trials none and make it spill; lower one of them")
+        if not isinstance(self.keep_warm, bool):
+            raise ConfigError(f"pool.keep_warm={self.keep_warm!r} must be true or false")
         if not isinstance(self.start_timeout_s, (int, float)) or self.start_timeout_s <= 0:
             raise ConfigError(f"pool.start_timeout_s={self.start_timeout_s!r} must be a positive number of seconds")
 
@@ -86,6 +95,11 @@ class PoolSpec:
     def cpus_for(self, node_cpus: float) -> float:
         """Logical CPUs the pool reserves on a node with ``node_cpus`` CPUs."""
         return node_cpus / 2 if self.cpus is None else float(self.cpus)
+
+    def shape_for(self, node_cpus: float) -> tuple[int, float]:
+        """(prep actors, logical CPUs each) on a node with ``node_cpus`` CPUs: a pool's shape."""
+        n = self.actors_for(node_cpus)
+        return n, min(self.cpus_for(node_cpus), node_cpus) / n
 
     def budget_for(self, store_bytes: float) -> int:
         """The node's staging budget, for an object store of ``store_bytes``."""

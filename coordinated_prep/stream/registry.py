@@ -94,12 +94,16 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports):
         session: The searcher's session id, part of every actor name.
         cache: The sweep's node cache, or None for none.
         pool: The sweep's prep pool options.
+        lent: Per node, prep actors the driver lends for that node's pool (kept warm,
+            :mod:`coordinated_prep.pool.warm`); the driver owns them, the pool never kills them.
     """
 
-    def __init__(self, session: str, cache: CacheSpec | None = None, pool: PoolSpec | None = None) -> None:
+    def __init__(self, session: str, cache: CacheSpec | None = None, pool: PoolSpec | None = None,
+                 lent: dict[str, list[Any]] | None = None) -> None:
         self.session = session
         self._cache_spec = cache
         self._pool_spec = pool or PoolSpec()
+        self._lent = dict(lent or {})  # taken by each node's first pool: a pool that fails gives them up
         self._layout: CacheLayout | None = None
         self._caches: dict[str, Any] = {}
         self._cache_start: asyncio.Future | None = None  # start_caches, once
@@ -337,7 +341,7 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports):
 
     async def _start_pool(self, node: str) -> NodePool:
         cpus, store = node_table().get(node, (1.0, float(2**30)))
-        pool = NodePool(node, cpus, store, self._pool_spec, await self._ensure_caches())
+        pool = NodePool(node, cpus, store, self._pool_spec, await self._ensure_caches(), self._lent.pop(node, None))
         try:
             await pool.ready()
         except PrepError:

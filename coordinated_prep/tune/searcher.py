@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.naming import NAMESPACE, registry_name
+from coordinated_prep.pool import warm
 from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.stream.registry import RegistryActor
 from coordinated_prep.tune.groups import group_of
@@ -118,11 +119,12 @@ class CoordinatedSearcher(SearchAlgorithm):
         self.searcher = getattr(inner, "searcher", None) or ConcurrencyLimiter(
             Searcher(), max_concurrent=max_concurrent or _PENDING_WITHOUT_LIMIT)
         self._registry: Any = None
+        self._lent: dict[str, list[Any]] = {}  # per node, prep actors kept warm and lent to the registry
         self.session: str | None = None  # the Ray job id naming the registry, once started
 
     def __getstate__(self) -> dict[str, Any]:
         # Tune pickles the search algorithm with the Tuner (Tuner.restore): the registry is not kept.
-        return {**self.__dict__, "_registry": None, "_resolvers": None}
+        return {**self.__dict__, "_registry": None, "_resolvers": None, "_lent": {}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -319,11 +321,15 @@ class CoordinatedSearcher(SearchAlgorithm):
         return True
 
     def close(self) -> None:
-        """Destroy every data group and the registry (idempotent; call after the sweep)."""
+        """Destroy every data group and the registry (idempotent; call after the sweep). With
+        ``PoolSpec(keep_warm=True)`` the prep actors stay for the driver's next sweep
+        (:mod:`coordinated_prep.pool.warm`)."""
         if self._registry is None:
             return
         _destroy(self._registry)
         self._registry = None
+        warm.give_back(getattr(self, "_lent", {}), self._pool)
+        self._lent = {}
 
     def _ensure_registry(self) -> None:
         """Start the registry and every node's prep pool, once; waits until the pools are ready."""
@@ -334,15 +340,21 @@ class CoordinatedSearcher(SearchAlgorithm):
         # restored searcher finds its twin's registry (get_if_exists). It lives on the driver's node,
         # as long as the driver.
         job = self.session = context.get_job_id()
-        registry = RegistryActor.options(
-            name=registry_name(job), namespace=NAMESPACE, get_if_exists=True,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=context.get_node_id(), soft=False),
-        ).remote(job, self._cache, self._pool)
+        try:  # a twin's, still running (Tuner.restore in this driver): its pools are up, nothing to lend
+            registry = ray.get_actor(registry_name(job), namespace=NAMESPACE)
+        except ValueError:
+            self._lent = warm.lend(self._pool)  # the last sweep's prep actors, if it kept them warm
+            registry = RegistryActor.options(
+                name=registry_name(job), namespace=NAMESPACE, get_if_exists=True,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=context.get_node_id(), soft=False),
+            ).remote(job, self._cache, self._pool, self._lent)
         # Blocking on purpose: the pools must hold their CPUs before Tune places trials on them.
         try:
             pools = ray.get(registry.start.remote(), timeout=self._pool.start_timeout_s + _CALL_TIMEOUT_S)
         except Exception:
             _destroy(registry)  # nothing is left behind by a sweep that cannot start
+            warm.give_back(self._lent, PoolSpec())  # nor kept: an actor of them may be why
+            self._lent = {}
             raise
         self._registry = registry
         logger.info("coordinated_prep: prep pools ready on %d node(s): %s", len(pools), pools)

@@ -34,6 +34,12 @@ def remember(index: FolderIndex) -> None:
     _HELD[index.root] = index
 
 
+def forget() -> None:
+    """Drop every index this process holds (a prep actor kept for another sweep, whose registry
+    owns new ones)."""
+    _HELD.clear()
+
+
 def shared_index(root: str) -> FolderIndex | None:
     """The sweep's index of ImageFolder ``root`` on this node, or None outside a sweep.
 

@@ -1,0 +1,69 @@
+"""A prep pool kept warm between the sweeps of one driver (``PoolSpec(keep_warm=True)``): the next
+sweep of the same shape starts on the same prep actors, sees what changed in its dataset since,
+and leaves nothing of the last sweep in the object store; a sweep of another shape, and
+``release()``, give the CPUs back."""
+
+from __future__ import annotations
+
+import ray
+from ray import tune
+from ray.util.state import list_actors
+
+from coordinated_prep import CoordinatedSearcher, DataSpec, PoolSpec
+from coordinated_prep.pipeline.sources import open_source
+from coordinated_prep.pool import warm
+from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled, settled
+from tests.harness import check_trial_records
+from tests.recording import load_records, record
+from tests.utils import make_imagefolder
+
+
+def _prep_actors() -> set[str]:
+    """Ids of the live prep actors of this Ray instance."""
+    return {a.actor_id for a in list_actors(address=ray.get_runtime_context().gcs_address,
+                                            filters=[("class_name", "=", "PrepActor"), ("state", "=", "ALIVE")],
+                                            raise_on_missing_output=False)}
+
+
+def _sweep(spec: DataSpec, pool: PoolSpec, out: str) -> None:
+    """Two trials of ``spec`` (batch sizes 8 and 12), each with exact epochs of the unshared bytes."""
+    searcher = CoordinatedSearcher(pool=pool)
+    analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}),
+                        config={"data": spec, "batch_size": tune.grid_search([8, 12]), "epochs": 2, "out": out},
+                        search_alg=searcher, verbose=0)
+    searcher.close()
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    records = load_records(out)
+    for trial in analysis.trials:
+        check_trial_records(spec, records[trial.trial_id], trial.config["batch_size"], trial.trial_id)
+
+
+def test_a_kept_pool_serves_the_next_sweep_sees_its_new_files_and_gives_its_cpus_back(ray_session, tmp_path):
+    root = make_imagefolder(str(tmp_path / "data"), classes=2, per_class=20)
+    spec = DataSpec(dataset=root, pipeline={"size": 32, "scale": [0.3, 1.0]}, seed=4, chunk_size=8, segments=2)
+    node = ray.get_runtime_context().get_node_id()
+    baseline = plasma_objects()
+    assert _prep_actors() == set() and warm.kept() == {}
+
+    _sweep(spec, PoolSpec(keep_warm=True), str(tmp_path / "first"))
+    kept = _prep_actors()
+    assert len(kept) == 2 and warm.kept() == {node: (2, 0.5)}, "one actor per CPU, half the CPUs, kept"
+    assert live_coordprep_actors() == [], "the registry and the coordinators end with the sweep"
+    assert plasma_objects_settled(baseline) <= baseline, "the kept actors hold nothing of the sweep"
+
+    # The dataset grows between the sweeps: the kept actors opened and indexed it before.
+    make_imagefolder(root, classes=2, per_class=30)
+    open_source.cache_clear()
+    assert len(open_source(root)) == 60
+    _sweep(spec, PoolSpec(keep_warm=True), str(tmp_path / "second"))  # 60 samples, checked against the unshared bytes
+    assert _prep_actors() == kept, "the second sweep ran on the kept actors and started none"
+    assert plasma_objects_settled(baseline) <= baseline
+
+    # Another shape (one actor reserving the same CPU): the kept pair must give its CPU back before
+    # this pool can start; the new one is kept, and release() ends it.
+    _sweep(spec, PoolSpec(actors=1, keep_warm=True), str(tmp_path / "third"))
+    assert warm.kept() == {node: (1, 1.0)} and settled(lambda: len(_prep_actors()), 1) == 1
+    assert not kept & _prep_actors(), "the pair was killed"
+    warm.release()
+    assert warm.kept() == {} and settled(_prep_actors, set()) == set()
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
