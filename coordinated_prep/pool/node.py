@@ -7,9 +7,9 @@ later, and kills its actors in ``shutdown``; the actors are the registry's (Ray'
 outlive any one coordinator. The exception is a pool that starts on prep actors lent by the
 driver (kept warm from its previous sweep, :mod:`coordinated_prep.pool.warm`): the driver owns
 those; the pool hands them this sweep's cache and tier when it starts and never kills them.
-Coordinators hold handles and submit pieces to them, and own the pieces they get back. The pool starts before the first trial is placed: its actors reserve their
-CPUs before Tune's trials can take them, and have imported torch by the time the first piece is
-asked for (a warm start).
+Coordinators hold handles and submit pieces to them, and own the pieces they get back. The pool
+starts before the first trial is placed: its actors reserve their CPUs before Tune's trials can
+take them, and have imported torch by the time the first piece is asked for (a warm start).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def lend(spec: PoolSpec) -> dict[str, list[Any]]:
     """Per live node, the prep actors its pool of ``spec`` starts on (kept ones, or new for a
     ``keep_warm`` sweep); a node missing from the answer gets a pool of the registry's own."""
     lent: dict[str, list[Any]] = {}
-    nodes = {node: cpus for node, (cpus, _) in node_table().items() if cpus > 0}
+    nodes = _nodes()
     for node in list(_kept):
         if node not in nodes:
             del _kept[node]  # its node is gone (or this is another Ray instance): so are its actors
@@ -71,7 +71,7 @@ def lend(spec: PoolSpec) -> dict[str, list[Any]]:
 
 def give_back(lent: dict[str, list[Any]], spec: PoolSpec) -> None:
     """The sweep that borrowed ``lent`` is closed: keep its actors (``spec.keep_warm``) or kill them."""
-    nodes = {node: cpus for node, (cpus, _) in node_table().items() if cpus > 0} if spec.keep_warm else {}
+    nodes = _nodes() if spec.keep_warm else {}
     for node, actors in lent.items():
         if node in nodes and _emptied(node, actors):
             _kill(_kept.pop(node, (None, []))[1])  # one pool per node: an older shape gives its CPUs back
@@ -90,6 +90,11 @@ def release() -> None:
 def kept() -> dict[str, Shape]:
     """Per node id, the shape of the pool kept there."""
     return {node: shape for node, (shape, _) in _kept.items()}
+
+
+def _nodes() -> dict[str, float]:
+    """Per live node with CPUs (the nodes a pool starts on), its CPUs."""
+    return {node: cpus for node, (cpus, _) in node_table().items() if cpus > 0}
 
 
 def _take(node: str, shape: Shape) -> list[Any] | None:
