@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
 from coordinated_prep.errors import ConfigError, known_keys
+from coordinated_prep.pipeline.carried import Carried, Packed, raw
 from coordinated_prep.pipeline.backends.spec import BACKENDS, Backend, PipelineSpec  # noqa: F401  (re-exported)
 from coordinated_prep.plan import piece_size
 
@@ -84,13 +85,14 @@ class DataSpec:
             still exact per epoch. Trials whose process ended are released within seconds instead.
     """
 
-    dataset: Any = "builtin:shapes"
+    # A dataset or transform object travels pickled and is unpickled where it is read (carried.py).
+    dataset: Any = Carried("builtin:shapes")
     pipeline: PipelineSpec | Mapping[str, Any] = field(default_factory=PipelineSpec)
-    transform: Any = None
-    target_transform: Any = None
-    transforms: Any = None
-    eval_transform: Any = None
-    eval_transforms: Any = None
+    transform: Any = Carried()
+    target_transform: Any = Carried()
+    transforms: Any = Carried()
+    eval_transform: Any = Carried()
+    eval_transforms: Any = Carried()
     ragged: tuple[str, ...] = ()
     seed: int = 0
     coordinated: bool = True
@@ -110,6 +112,8 @@ class DataSpec:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
+        for name in CARRIED_FIELDS:
+            state[name] = Packed.of(state[name])
         if not state.get("_trial"):
             from coordinated_prep.context import stamp
 
@@ -212,13 +216,13 @@ class DataSpec:
     @property
     def user_transforms(self) -> bool:
         """Whether the samples come from the user's dataset or transforms rather than the built-in crop."""
-        return not isinstance(self.dataset, str) or any(getattr(self, n) is not None for n in TRANSFORM_FIELDS)
+        return not isinstance(raw(self, "dataset"), str) or any(raw(self, n) is not None for n in TRANSFORM_FIELDS)
 
     @property
     def dataset_name(self) -> str:
         """The dataset, short, for messages."""
-        if isinstance(self.dataset, str):
-            return repr(self.dataset)
+        if isinstance(raw(self, "dataset"), (str, Packed)):
+            return repr(self.dataset) if isinstance(raw(self, "dataset"), str) else raw(self, "dataset").kind
         from coordinated_prep.pipeline.datasets import Factory
 
         if isinstance(self.dataset, Factory):
@@ -267,6 +271,8 @@ class DataSpec:
 _DATA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DataSpec) if f.init and f.name != "pipeline"}
 #: The torchvision-style transform fields of a DataSpec.
 TRANSFORM_FIELDS = ("transform", "target_transform", "transforms", "eval_transform", "eval_transforms")
+#: The fields that may hold a user's object, carried pickled between processes.
+CARRIED_FIELDS = ("dataset", *TRANSFORM_FIELDS)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -1,5 +1,8 @@
 """DataSpec and PipelineSpec: validation at construction, grouping by equality."""
 
+import os
+import textwrap
+
 import pytest
 
 from coordinated_prep import ConfigError, DataSpec, PipelineSpec
@@ -76,3 +79,46 @@ def test_a_dataset_holding_an_open_file_is_refused_naming_the_file(tmp_path):
             DataSpec(dataset=dataset)  # cloudpickle would send a copy of the file's bytes instead
     finally:
         dataset.file.close()
+
+
+class Squares:
+    """A map-style dataset of a user's own."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        return i * i, i
+
+
+def test_a_process_that_only_passes_a_spec_on_never_unpickles_its_transforms(tmp_path):
+    """The registry, a coordinator and a shared trial read a spec's group key and options only: its
+    transforms.v2 pipeline and dataset object stay pickled there (unpickling them imports torchvision),
+    and become objects where they are read (the dataset there, the transform here), equal to the sender's."""
+    import pickle
+    import subprocess
+    import sys
+
+    from torchvision.transforms import v2
+
+    spec = DataSpec(dataset=Squares(4), transform=v2.Compose([v2.RandomResizedCrop(24)]), seed=3)
+    once = pickle.loads(pickle.dumps(spec))
+    path = tmp_path / "spec.pkl"
+    path.write_bytes(pickle.dumps(once))  # passed on without being read: the same bytes go on
+    reader = textwrap.dedent(f"""
+        import pickle, sys
+        spec = pickle.loads(open({str(path)!r}, "rb").read())
+        seen = (spec.group_key, spec.seed, spec.user_transforms, spec.dataset_name, spec.chunk_size)
+        assert "torchvision" not in sys.modules, "reading the options unpickled the transforms"
+        again = pickle.loads(pickle.dumps(spec))
+        assert "torchvision" not in sys.modules, "passing the spec on unpickled them"
+        print(*seen[:4], type(spec.dataset).__name__, len(spec.dataset))
+    """)
+    out = subprocess.run([sys.executable, "-c", reader], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [spec.group_key, "3", "True", "Squares", "Squares", "4"]
+    assert once.transform.transforms[0].size == (24, 24) and once == spec
