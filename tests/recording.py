@@ -13,7 +13,7 @@ import ray
 from ray import tune
 
 from coordinated_prep import eval_loader, train_loader
-from tests.harness import sample_digests
+from tests.harness import batch_digests, sample_digests
 
 
 def pids_titled(prefix: str) -> list[int]:
@@ -182,6 +182,18 @@ def record(config: dict) -> None:
             gate = ray.get_actor(config["gate"], namespace="coordinated_prep")
             ray.get(gate.arrive.remote(tune.get_context().get_trial_id()), timeout=60)
             ray.get(gate.wait_open.remote(300), timeout=330)
+
+
+def record_digests(config: dict) -> None:
+    """Per epoch (``config["epochs"]``, batches of 16): indices, stream epochs and a digest of every
+    sample, in ``<out>/<trial id>/epoch<k>.npz``."""
+    out = os.path.join(config["out"], tune.get_context().get_trial_id())
+    os.makedirs(out, exist_ok=True)
+    loader = train_loader(config, batch_size=16, epochs=config["epochs"])
+    for epoch in range(config["epochs"]):
+        parts = [(b.indices.numpy(), b.stream_epochs.numpy(), batch_digests(b)) for b in loader]
+        np.savez(os.path.join(out, f"epoch{epoch}.npz"), *[np.concatenate(p) for p in zip(*parts)])
+        tune.report({"epoch": epoch + 1})
 
 
 def _restored_epoch() -> int:

@@ -3,6 +3,8 @@
 import json
 import textwrap
 
+import pytest
+
 from coordinated_prep.cli import main
 
 
@@ -28,6 +30,7 @@ def test_dry_run_validates_without_ray(capsys):
     assert "valid" in capsys.readouterr().out
 
 
+@pytest.mark.usefixtures("warm_pool")
 def test_a_tiny_sweep_prints_and_writes_its_summary(ray_session, small_dataset, tmp_path, capsys):
     path = tmp_path / "tiny.yaml"
     path.write_text(textwrap.dedent(f"""
@@ -35,7 +38,7 @@ def test_a_tiny_sweep_prints_and_writes_its_summary(ray_session, small_dataset, 
         storage_path: {tmp_path / "runs"}
         trainable: small_cnn
         data: {{dataset: {small_dataset}, pipeline: {{size: 24}}, chunk_size: 8}}
-        pool: {{actors: 1}}
+        pool: {{actors: 1, keep_warm: true}}
         search_space: {{lr: {{loguniform: [0.01, 0.1]}}, batch_size: {{choice: [8, 16]}}, width: 4, epochs: 2}}
         num_samples: 3
         max_concurrent_trials: 3

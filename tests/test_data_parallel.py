@@ -172,10 +172,11 @@ def _check_ranks(spec: DataSpec, ranks: dict[int, list[dict]], world: int, epoch
             assert np.array_equal(r["digests"], want), f"{who}: bytes differ from the unshared pipeline"
 
 
+@pytest.mark.usefixtures("warm_pool")  # its pool's shape stays for the module's next sweep
 def test_two_trials_of_two_train_workers_share_one_group_and_split_each_epoch(ray_session, small_dataset, tmp_path):
     baseline = plasma_objects()
     spec = _spec(small_dataset)
-    searcher = CoordinatedSearcher(pool=PoolSpec(actors=1, cpus=0.5))
+    searcher = CoordinatedSearcher(pool=PoolSpec(actors=1, cpus=0.5, keep_warm=True))
     analysis = tune.run(tune.with_resources(record_ranks, {"cpu": 0.1}), search_alg=searcher, verbose=0,
                         config={"data": spec, "workers": 2, "batch_size": 8, "epochs": 2, "out": str(tmp_path),
                                 "score": tune.grid_search([1, 2])})
@@ -202,10 +203,11 @@ def test_two_trials_of_two_train_workers_share_one_group_and_split_each_epoch(ra
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
+@pytest.mark.usefixtures("warm_pool")  # its pool's shape stays for the module's next sweep
 def test_a_rank_killed_mid_epoch_restarts_the_worker_group_with_exact_epochs(ray_session, small_dataset, tmp_path):
     spec = _spec(small_dataset)
     gate = Gate.options(name="rank-checkpointed", namespace="coordinated_prep").remote()  # noqa: F841 (kept alive)
-    searcher = CoordinatedSearcher(pool=PoolSpec(actors=1, cpus=0.5))
+    searcher = CoordinatedSearcher(pool=PoolSpec(actors=1, cpus=0.5, keep_warm=True))
     analysis = tune.run(tune.with_resources(record_ranks, {"cpu": 0.1}), search_alg=searcher, verbose=0,
                         callbacks=[OpenOnResult("rank-checkpointed", epoch=1)],
                         config={"data": spec, "workers": 2, "batch_size": 8, "epochs": 3, "out": str(tmp_path),
@@ -223,6 +225,7 @@ def test_a_rank_killed_mid_epoch_restarts_the_worker_group_with_exact_epochs(ray
     assert live_coordprep_actors() == []
 
 
+@pytest.mark.usefixtures("warm_pool")  # its pool's shape stays for the module's next sweep
 def test_the_ready_trainable_trains_with_ddp_on_two_workers_from_yaml(ray_session, small_dataset, tmp_path):
     name = f"ddp-{tmp_path.name}"
     path = tmp_path / "ddp.yaml"
@@ -231,7 +234,7 @@ def test_the_ready_trainable_trains_with_ddp_on_two_workers_from_yaml(ray_sessio
         storage_path: {tmp_path / "runs"}
         trainable: small_cnn
         data: {{dataset: {small_dataset}, pipeline: {{size: 24}}, chunk_size: 16, holdout: 0.2}}
-        pool: {{actors: 1, cpus: 0.5}}
+        pool: {{actors: 1, cpus: 0.5, keep_warm: true}}
         search_space: {{lr: {{grid: [0.02, 0.05]}}, batch_size: 8, width: 4, epochs: 3, workers: 2,
                         cpu_per_worker: 0.2}}
         max_concurrent_trials: 2
@@ -298,16 +301,17 @@ def test_a_loader_that_finds_no_trial_warns_once_that_sharing_is_off(small_datas
     assert sum(len(b) for b in first) == len(train_ids(spec)) == sum(len(b) for b in second)
 
 
-@pytest.mark.sweep  # starts Ray Train in a subprocess
-def test_ray_train_v1_ranks_share_too(tmp_path):
-    """Train V1 runs in a process of its own (its flag is read when Ray Train is imported)."""
+def test_ray_train_v1_ranks_share_too(ray_session, tmp_path):
+    """Train V1 runs in a driver process of its own (its flag is read when Ray Train is imported),
+    on the module's Ray instance."""
     import json
     import subprocess
     import sys
 
     from tests.conftest import REPO
 
-    done = subprocess.run([sys.executable, "-m", "tests.train_v1", str(tmp_path)], cwd=REPO, capture_output=True,
+    address = ray_session.get_runtime_context().gcs_address
+    done = subprocess.run([sys.executable, "-m", "tests.train_v1", str(tmp_path), address], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "PYTHONPATH": REPO})
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.load(open(tmp_path / "reports.json"))

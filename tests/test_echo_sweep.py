@@ -101,6 +101,7 @@ def _mixed_echo_sweep(spec: DataSpec, batch_sizes: list[int], tmp_path) -> None:
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
+@pytest.mark.usefixtures("warm_pool")  # its variants' sweeps run on one kept pool
 def test_the_echo_experiment_runs_a_tiny_configuration_end_to_end(ray_session, tmp_path):
     from coordinated_prep.bench.echo import format_echo, load_echo, run_echo
 
@@ -114,6 +115,7 @@ sweep:
   search_space: {{lr: 0.05, batch_size: 32, width: 4, epochs: 1, model_seed: 0}}
   num_samples: 1
   resources_per_trial: {{cpu: 0.25}}
+  pool: {{keep_warm: true}}
 variants:
   - {{name: "off", echo: 1}}
   - {{name: twice, echo: "example:2"}}

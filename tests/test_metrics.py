@@ -45,7 +45,7 @@ def ray_session():
              log_to_driver=False, _metrics_export_port=PORT, _system_config={"metrics_report_interval_ms": 1000},
              runtime_env={"env_vars": {"PYTHONPATH": REPO, "COORDPREP_CACHE": os.environ["COORDPREP_CACHE"]}})
     yield ray
-    ray.shutdown()
+    own_ray()
 
 
 def scrape() -> dict[tuple[str, frozenset], float]:

@@ -46,7 +46,7 @@ def cluster():
     ray.init(address=c.address, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": REPO, "COORDPREP_CACHE": os.environ["COORDPREP_CACHE"]}})
     yield c, nodes
-    ray.shutdown()
+    own_ray()
     c.shutdown()
 
 

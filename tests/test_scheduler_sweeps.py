@@ -45,6 +45,9 @@ SCHEDULERS = {
 }
 
 
+pytestmark = pytest.mark.usefixtures("warm_pool")  # each scheduler's sweep starts on the pool the last one kept
+
+
 @pytest.fixture(scope="module", params=sorted(SCHEDULERS))
 def sweep(request, ray_session, small_dataset, tmp_path_factory):
     """``(scheduler, config, summary, records, leaked)`` of one recorded sweep under the scheduler."""
@@ -58,7 +61,7 @@ def sweep(request, ray_session, small_dataset, tmp_path_factory):
         trainable: tests.recording:record
         data: {{dataset: {small_dataset}, pipeline: {{size: 24}}, seed: 1, chunk_size: 8, segments: 21,
                 lookahead: 16, staging_bytes: {16 * PIECE}, lease_s: 300}}
-        pool: {{actors: 1}}
+        pool: {{actors: 1, keep_warm: true}}
         search_space:
           batch_size: 8
           epochs: 4

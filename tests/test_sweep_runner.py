@@ -86,7 +86,7 @@ name: optuna
 storage_path: {runs}
 trainable: small_cnn
 data: {{dataset: "builtin:shapes", pipeline: {{size: 32}}, chunk_size: 64}}
-pool: {{actors: 1}}
+pool: {{actors: 1, keep_warm: true}}
 search_space: {{lr: {{loguniform: [0.01, 0.1]}}, batch_size: {{choice: [32, 64]}}, width: 4, epochs: 1}}
 num_samples: 3
 max_concurrent_trials: 3
@@ -95,6 +95,7 @@ search: {{type: optuna, seed: 0}}
 """
 
 
+@pytest.mark.usefixtures("warm_pool")  # one kept pool for the module's sweeps
 def test_an_optuna_sweep_from_yaml_shares_its_data(ray_session, tmp_path):
     from ray.tune.search.optuna import OptunaSearch
 
@@ -164,7 +165,7 @@ def _data_sweep(tmp_path, small_dataset: str, name: str, key: str, samples: int)
         storage_path: {tmp_path / "runs"}
         trainable: tests.test_sweep_runner:read_one_epoch
         data: {{dataset: {small_dataset}, pipeline: {{size: 24, scale: [0.3, 1.0]}}, chunk_size: 8}}
-        pool: {{actors: 1}}
+        pool: {{actors: 1, keep_warm: true}}
         search_space: {{{key}}}
         num_samples: {samples}
         max_concurrent_trials: 4
@@ -173,6 +174,7 @@ def _data_sweep(tmp_path, small_dataset: str, name: str, key: str, samples: int)
     return str(path)
 
 
+@pytest.mark.usefixtures("warm_pool")  # one kept pool for the module's sweeps
 def test_a_continuous_domain_on_a_pipeline_key_gives_each_trial_its_own_group(ray_session, small_dataset, tmp_path):
     path = _data_sweep(tmp_path, small_dataset, "continuous", "data.pipeline.scale.0: {uniform: [0.2, 0.6]}", 2)
     seen, progress = _Seen(), io.StringIO()
@@ -203,6 +205,7 @@ def test_a_continuous_domain_on_a_pipeline_key_gives_each_trial_its_own_group(ra
     assert sum(g["tier_hits"] for g in groups.values()) == sum(g["samples_prepared"] for g in groups.values()) - n
 
 
+@pytest.mark.usefixtures("warm_pool")  # one kept pool for the module's sweeps
 def test_a_grid_on_a_pipeline_key_forms_one_group_per_value(ray_session, small_dataset, tmp_path):
     path = _data_sweep(tmp_path, small_dataset, "grid", "data.pipeline.scale: {grid: [[0.2, 1.0], [0.5, 1.0]]}", 2)
     summary = run_sweep(load_sweep(path), verbose=0)
@@ -218,9 +221,10 @@ def test_a_grid_on_a_pipeline_key_forms_one_group_per_value(ray_session, small_d
         assert group["searched"] == {"data.pipeline.scale": by_group[key][0]}
 
 
+@pytest.mark.usefixtures("warm_pool")  # one kept pool for the module's sweeps
 def test_tune_domains_inside_a_python_data_dict_work_with_the_coordinated_searcher(ray_session, small_dataset,
                                                                                    tmp_path):
-    searcher, seen, progress = CoordinatedSearcher(pool={"actors": 1}), _Seen(), io.StringIO()
+    searcher, seen, progress = CoordinatedSearcher(pool={"actors": 1, "keep_warm": True}), _Seen(), io.StringIO()
     data = {"dataset": small_dataset, "chunk_size": 8, "pipeline": {"size": 24, "scale": [tune.uniform(0.2, 0.6), 1.0]}}
     tuner = tune.Tuner(
         tune.with_resources(read_one_epoch, {"cpu": 0.25}), param_space={"data": data},

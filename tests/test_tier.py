@@ -4,6 +4,7 @@ prefix/tail split, and real sweeps where groups with different tails share one p
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from ray import tune
 from torchvision.transforms import v2
 
-from coordinated_prep import CoordinatedSearcher, DataSpec, PoolSpec, train_loader
+from coordinated_prep import CoordinatedSearcher, DataSpec, PoolSpec
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.pipeline.chunk import prepare_chunk
 from coordinated_prep.pipeline.probe import probe, train_indices
@@ -22,7 +23,8 @@ from coordinated_prep.pipeline.split import prefix_key, split_transform
 from coordinated_prep.pipeline.transforms import make_pipeline
 from coordinated_prep.tier.book import MINE, SELF, WAIT, Hit, TierBook
 from tests.conftest import live_coordprep_actors
-from tests.harness import assert_exactly_once, batch_digests
+from tests.recording import record_digests  # a trial imports its trainable's module: this one is light
+from tests.harness import assert_exactly_once
 from tests.test_user_pipelines import _reference
 
 TIMEOUT = 5.0
@@ -222,17 +224,6 @@ EPOCHS = 3
 SCALES = (0.2, 0.5, 0.8)
 
 
-def record(config: dict) -> None:
-    """Per epoch: indices, stream epochs and a digest of every sample."""
-    out = os.path.join(config["out"], tune.get_context().get_trial_id())
-    os.makedirs(out, exist_ok=True)
-    loader = train_loader(config, batch_size=16, epochs=EPOCHS)
-    for epoch in range(EPOCHS):
-        parts = [(b.indices.numpy(), b.stream_epochs.numpy(), batch_digests(b)) for b in loader]
-        np.savez(os.path.join(out, f"epoch{epoch}.npz"), *[np.concatenate(p) for p in zip(*parts)])
-        tune.report({"epoch": epoch + 1})
-
-
 def _specs(dataset: str) -> list[DataSpec]:
     return [DataSpec(dataset=dataset, seed=1, chunk_size=16, segments=4, holdout=0.1,
                      transform=v2.Compose([v2.Resize(32, antialias=True), v2.RandomResizedCrop(24, scale=(s, 1.0)),
@@ -243,8 +234,8 @@ def _sweep(tmp_path, specs: list[DataSpec], pool: PoolSpec):
     """One trial per group, all at once: what the tier shares is the decode across groups (sharing
     within a group is the coordinator's, tested elsewhere)."""
     searcher = CoordinatedSearcher(pool=pool)
-    analysis = tune.run(tune.with_resources(record, {"cpu": 0.1}),
-                        config={"data": tune.grid_search(specs), "out": str(tmp_path)},
+    analysis = tune.run(tune.with_resources(record_digests, {"cpu": 0.1}),
+                        config={"data": tune.grid_search(specs), "out": str(tmp_path), "epochs": EPOCHS},
                         search_alg=searcher, max_concurrent_trials=len(specs), verbose=0)
     assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
     reports, tiers = searcher.group_reports(), searcher.decoded_reports()
@@ -266,9 +257,9 @@ def _check_trials(analysis, tmp_path, specs: list[DataSpec]) -> None:
 
 
 def test_groups_with_different_tails_decode_each_sample_once_for_the_whole_sweep(ray_session, tmp_path,
-                                                                                   small_dataset):
+                                                                                   small_dataset, warm_pool):
     specs = _specs(small_dataset)
-    analysis, reports, tiers = _sweep(tmp_path, specs, PoolSpec(actors=2))
+    analysis, reports, tiers = _sweep(tmp_path, specs, replace(warm_pool, actors=2))
     _check_trials(analysis, tmp_path, specs)
     n = len(train_indices(len(make_pipeline(specs[0])), 0.1))
     assert len(reports) == len(SCALES)
@@ -287,11 +278,12 @@ def test_groups_with_different_tails_decode_each_sample_once_for_the_whole_sweep
     assert by_epoch.get(0) == n and not any(by_epoch.get(e) for e in (1, 2)), by_epoch
 
 
-def test_a_tier_too_small_for_the_set_decodes_again_and_keeps_every_trial_live(ray_session, tmp_path, small_dataset):
+def test_a_tier_too_small_for_the_set_decodes_again_and_keeps_every_trial_live(ray_session, tmp_path, small_dataset,
+                                                                                warm_pool):
     specs = _specs(small_dataset)
     n = len(train_indices(len(make_pipeline(specs[0])), 0.1))
     budget = (n // 3) * 3 * 32 * 38  # about a third of the set: admission closes part-way through epoch 0
-    analysis, reports, tiers = _sweep(tmp_path, specs, PoolSpec(actors=2, decoded_bytes=budget))
+    analysis, reports, tiers = _sweep(tmp_path, specs, replace(warm_pool, actors=2, decoded_bytes=budget))
     _check_trials(analysis, tmp_path, specs)
     [tier] = tiers.values()
     assert tier["full"] and 0 < tier["samples"] < n and tier["used_bytes"] <= budget
@@ -303,9 +295,9 @@ def test_a_tier_too_small_for_the_set_decodes_again_and_keeps_every_trial_live(r
     assert hits >= (len(SCALES) * EPOCHS - 1) * tier["samples"], (hits, tier["samples"])
 
 
-def test_without_a_tier_every_group_decodes_every_sample_each_epoch(ray_session, tmp_path, small_dataset):
+def test_without_a_tier_every_group_decodes_every_sample_each_epoch(ray_session, tmp_path, small_dataset, warm_pool):
     specs = _specs(small_dataset)[:2]
-    analysis, reports, tiers = _sweep(tmp_path, specs, PoolSpec(actors=2, decoded_fraction=0))
+    analysis, reports, tiers = _sweep(tmp_path, specs, replace(warm_pool, actors=2, decoded_fraction=0))
     assert tiers == {}
     for r in reports.values():
         assert r["decodes"] == r["samples_prepared"] and r["tier_hits"] == 0

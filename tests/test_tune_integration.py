@@ -108,7 +108,7 @@ def test_asha_stops_trials_early_without_leaks(ray_session, small_dataset, tmp_p
                         # Best first: by the time a worse trial reports a rung, better ones already have,
                         # so ASHA's cutoff stops it (in increasing order it would stop none).
                         "score": tune.grid_search([4, 3, 2, 1])},
-        search_alg=searcher, verbose=0, metric="score", mode="max",
+        search_alg=searcher, verbose=0, metric="score", mode="max", reuse_actors=True,  # a stopped trial's process runs the next
         scheduler=ASHAScheduler(max_t=epochs, grace_period=1, reduction_factor=2),
     )
     searcher.close()
@@ -141,7 +141,7 @@ def test_tune_configs_max_concurrent_trials_is_honoured(ray_session, tmp_path, w
     """Tune drops max_concurrent_trials for a SearchAlgorithm; the CoordinatedSearcher applies it."""
     searcher = CoordinatedSearcher(pool=warm_pool)
     tuner = tune.Tuner(tune.with_resources(_lifetime, {"cpu": 0.25}), param_space={"i": tune.grid_search([0, 1, 2])},
-                       tune_config=tune.TuneConfig(search_alg=searcher, max_concurrent_trials=1),
+                       tune_config=tune.TuneConfig(search_alg=searcher, max_concurrent_trials=1, reuse_actors=True),
                        run_config=tune.RunConfig(verbose=0, storage_path=str(tmp_path)))
     results = tuner.fit()
     searcher.close()
@@ -170,7 +170,8 @@ def test_a_grids_trials_run_group_by_group(ray_session, small_dataset, tmp_path,
     param_space = {"data.seed": tune.grid_search([1, 2]), "data": search.to_tune()}
     searcher = CoordinatedSearcher(pool=warm_pool)
     tuner = tune.Tuner(tune.with_resources(_grouped_lifetime, {"cpu": 0.25}), param_space=param_space,
-                       tune_config=tune.TuneConfig(search_alg=searcher, max_concurrent_trials=2, num_samples=2),
+                       tune_config=tune.TuneConfig(search_alg=searcher, max_concurrent_trials=2, num_samples=2,
+                                                   reuse_actors=True),
                        run_config=tune.RunConfig(verbose=0, storage_path=str(tmp_path)))
     results = tuner.fit()
     searcher.close()

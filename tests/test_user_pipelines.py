@@ -27,6 +27,7 @@ from tests.harness import assert_exactly_once, batch_digests, stream_samples
 from tests.test_datasets import OwnGenerator
 
 EPOCHS = 2
+pytestmark = pytest.mark.usefixtures("warm_pool")  # the module's sweeps keep their prep actors for the next
 
 
 class Detection:
@@ -114,10 +115,10 @@ def pipelines_sweep(ray_session, tmp_path_factory):
     """One sweep of every user pipeline, two trials each (batch sizes 8 and 12): four data groups."""
     out = str(tmp_path_factory.mktemp("pipelines"))
     specs = {name: _spec(name) for name in PIPELINES}
-    searcher = CoordinatedSearcher(pool=PoolSpec(actors=2))
+    searcher = CoordinatedSearcher(pool=PoolSpec(actors=2, keep_warm=True))
     analysis = tune.run(tune.with_resources(record_any, {"cpu": 0.25}),
                         config={"data": tune.grid_search(list(specs.values())), "batch_size": tune.grid_search([8, 12]),
-                                "out": out}, search_alg=searcher, verbose=0)
+                                "out": out}, search_alg=searcher, reuse_actors=True, verbose=0)
     reports = searcher.group_reports()
     searcher.close()
     return specs, analysis, reports, out, live_coordprep_actors()
@@ -166,7 +167,7 @@ FAILING = {
 @pytest.fixture(scope="module")
 def failed_trials(ray_session, tmp_path_factory):
     """The error file's text of each trial of one sweep whose every trial must fail at its start."""
-    searcher = CoordinatedSearcher()
+    searcher = CoordinatedSearcher(pool=PoolSpec(keep_warm=True))
     analysis = tune.run(tune.with_resources(record_any, {"cpu": 0.25}),
                         config={"data": tune.grid_search(list(FAILING.values())), "batch_size": 8,
                                 "out": str(tmp_path_factory.mktemp("failing"))}, search_alg=searcher,

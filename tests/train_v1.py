@@ -1,8 +1,9 @@
 """Ray Train V1 (``RAY_TRAIN_V2_ENABLED=0``): ``Tuner(TorchTrainer)``, whose trial is the Train run.
 
-Run as ``python -m tests.train_v1 OUT`` (the flag must be set before Ray Train is imported, so in a
-process of its own); each rank saves its fresh sample indices per epoch to ``OUT``, and the group
-reports go to ``OUT/reports.json``.
+Run as ``python -m tests.train_v1 OUT ADDRESS`` (the flag must be set before Ray Train is imported,
+so in a process of its own), a driver of the running Ray instance at ``ADDRESS`` (the tests' shared
+one); each rank saves its fresh sample indices per epoch to ``OUT``, and the group reports go to
+``OUT/reports.json``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def per_worker(config: dict) -> None:
         ray.train.report({"epoch": epoch + 1})
 
 
-def main(out: str) -> None:
+def main(out: str, address: str) -> None:
     from ray import tune
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -40,7 +41,7 @@ def main(out: str) -> None:
     from tests.utils import make_imagefolder
 
     root = make_imagefolder(os.path.join(out, "data"), classes=3, per_class=20)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address=address, log_to_driver=False,  # this driver's job: its workers read Train V1's flag
              runtime_env={"env_vars": {"RAY_TRAIN_V2_ENABLED": "0", "PYTHONPATH": REPO}})
     spec = DataSpec(dataset=root, pipeline={"size": 24}, chunk_size=8, holdout=0.2)
     trainer = TorchTrainer(per_worker, scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.2}),
@@ -56,4 +57,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])
