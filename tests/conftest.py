@@ -25,10 +25,10 @@ def _isolated_cache(tmp_path_factory):
     yield
 
 
-#: Settings of the session's shared Ray instance: the dashboard on loopback (the fault tests find
-#: their victims through its state API), 2 CPUs as on the CI machines.
+#: Settings of the session's shared Ray instance: 2 CPUs as on the CI machines, no dashboard (its
+#: processes took about 6% of the suite's CPU; tests/test_metrics.py runs a Ray of its own with it).
 def shared_ray_settings() -> dict:
-    return dict(address="local", num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1",
+    return dict(address="local", num_cpus=2, include_dashboard=False,
                 object_store_memory=512 * 2**20, log_to_driver=False,
                 runtime_env={"env_vars": {"PYTHONPATH": REPO, "COORDPREP_CACHE": os.environ["COORDPREP_CACHE"]}})
 

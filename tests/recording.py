@@ -51,24 +51,18 @@ def _inject(config: dict, epoch: int, step: int) -> None:
     if fault == "kill_self":
         marker = os.path.join(config["out"], "killed-once")
         if not os.path.exists(marker):  # only the first attempt dies; Tune's retry goes on
-            from ray.util.state import get_actor
-
             open(marker, "w").close()
-            me = get_actor(ray.get_runtime_context().get_actor_id())  # this trial's worker, by the state API
-            os.kill(int(me.pid), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)  # a function trainable runs in its trial's worker process
     elif fault in ("kill_prep", "kill_coordinator"):
-        from ray.util.state import list_actors  # Ray's state API (needs the dashboard running)
-
         marker = os.path.join(config["out"], f"{fault}-done")
         if os.path.exists(marker):  # once per test: a retried trial must not kill again
             return
         open(marker, "w").close()
         cls = "PrepActor" if fault == "kill_prep" else "Coordinator"
-        # This test's Ray by address: another instance on the machine must not make it ambiguous.
-        victims = list_actors(address=ray.get_runtime_context().gcs_address,
-                              filters=[("class_name", "=", cls), ("state", "=", "ALIVE")], detail=True)
+        # By process title (the tests' Ray runs no dashboard, so no state API); one Ray runs the tests.
+        victims = pids_titled(f"ray::{cls}")
         assert victims, f"no live {cls} actor"
-        os.kill(int(victims[0].pid), signal.SIGKILL)
+        os.kill(victims[0], signal.SIGKILL)
 
 
 class OpenOnResult(tune.Callback):

@@ -28,9 +28,15 @@ class MemorySession:
         self.states.append(copy.deepcopy(state))
 
 
-def _config(**overrides: Any) -> dict[str, Any]:
-    return {"data": DataSpec(coordinated=False, pipeline={"size": 32}), "lr": 0.05, "batch_size": 32, "epochs": 3,
-            "width": 8, **overrides}
+@pytest.fixture
+def _config(small_dataset):
+    """A trial's config over the small ImageFolder (162 training samples: 6 batches of 32 an epoch, the last
+    short), for what a schedule and a checkpoint do; the learning test trains on builtin:shapes."""
+    def make(**overrides: Any) -> dict[str, Any]:
+        return {"data": DataSpec(dataset=small_dataset, coordinated=False, pipeline={"size": 32}), "lr": 0.05,
+                "batch_size": 32, "epochs": 3, "width": 8, **overrides}
+
+    return make
 
 
 def test_resnet18_width_is_configurable():
@@ -54,8 +60,7 @@ def test_small_cnn_learns_builtin_shapes_well_above_chance():
     assert all(r["copied_fraction"] == 0.0 and r["loader_cpu_ms_per_batch"] > 0 for r in reports)
 
 
-@pytest.mark.sweep  # trains for real: tens of seconds
-def test_a_resumed_trial_goes_on_from_its_checkpointed_epoch_and_schedule():
+def test_a_resumed_trial_goes_on_from_its_checkpointed_epoch_and_schedule(_config):
     whole = MemorySession()
     small_cnn.fit(_config(), small_cnn.build, whole)
     assert [s["epoch"] for s in whole.states] == [1, 2, 3]
@@ -69,8 +74,7 @@ def test_a_resumed_trial_goes_on_from_its_checkpointed_epoch_and_schedule():
         assert mine["optimizer"]["param_groups"][0]["lr"] == pytest.approx(theirs["optimizer"]["param_groups"][0]["lr"])
 
 
-@pytest.mark.sweep  # trains for real: tens of seconds
-def test_a_pbt_exploit_keeps_the_schedule_scaled_to_the_new_learning_rate():
+def test_a_pbt_exploit_keeps_the_schedule_scaled_to_the_new_learning_rate(_config):
     whole = MemorySession()
     small_cnn.fit(_config(epochs=2), small_cnn.build, whole)
     exploited = MemorySession(start=whole.states[0])  # another trial's state, this trial's doubled lr
@@ -82,7 +86,7 @@ def test_a_pbt_exploit_keeps_the_schedule_scaled_to_the_new_learning_rate():
     assert group["lr"] == pytest.approx(2 * theirs["optimizer"]["param_groups"][0]["lr"])
 
 
-def test_a_checkpoint_of_the_last_epoch_trains_nothing():
+def test_a_checkpoint_of_the_last_epoch_trains_nothing(_config):
     whole = MemorySession()
     small_cnn.fit(_config(epochs=1), small_cnn.build, whole)
     again = MemorySession(start=whole.states[-1])
@@ -90,9 +94,8 @@ def test_a_checkpoint_of_the_last_epoch_trains_nothing():
     assert again.reports == []
 
 
-@pytest.mark.sweep  # trains for real: tens of seconds
 @pytest.mark.parametrize("echo", ["example:2", "batch:2"])
-def test_echoed_steps_follow_the_schedule_of_fresh_samples_and_end_it_exactly(echo):
+def test_echoed_steps_follow_the_schedule_of_fresh_samples_and_end_it_exactly(echo, _config):
     plain, echoing = MemorySession(), MemorySession()
     small_cnn.fit(_config(epochs=2), small_cnn.build, plain)
     small_cnn.fit(_config(epochs=2, echo=echo), small_cnn.build, echoing)

@@ -7,22 +7,19 @@ from __future__ import annotations
 
 import ray
 from ray import tune
-from ray.util.state import list_actors
 
 from coordinated_prep import CoordinatedSearcher, DataSpec, PoolSpec
 from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.pool import warm
 from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled, settled
 from tests.harness import check_trial_records
-from tests.recording import load_records, record
+from tests.recording import load_records, pids_titled, record
 from tests.utils import make_imagefolder
 
 
-def _prep_actors() -> set[str]:
-    """Ids of the live prep actors of this Ray instance."""
-    return {a.actor_id for a in list_actors(address=ray.get_runtime_context().gcs_address,
-                                            filters=[("class_name", "=", "PrepActor"), ("state", "=", "ALIVE")],
-                                            raise_on_missing_output=False)}
+def _prep_actors() -> set[int]:
+    """Processes of the live prep actors (by title: one Ray runs the tests)."""
+    return set(pids_titled("ray::PrepActor"))
 
 
 def _sweep(spec: DataSpec, pool: PoolSpec, out: str) -> None:
