@@ -85,9 +85,9 @@ class DataSpec:
             still exact per epoch. Trials whose process ended are released within seconds instead.
     """
 
-    # A dataset or transform object travels pickled and is unpickled where it is read (carried.py).
-    dataset: Any = Carried("builtin:shapes")
+    dataset: Any = "builtin:shapes"
     pipeline: PipelineSpec | Mapping[str, Any] = field(default_factory=PipelineSpec)
+    # A transform travels pickled and is unpickled where it is read (pipeline/carried.py).
     transform: Any = Carried()
     target_transform: Any = Carried()
     transforms: Any = Carried()
@@ -112,7 +112,7 @@ class DataSpec:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in CARRIED_FIELDS:
+        for name in TRANSFORM_FIELDS:
             state[name] = Packed.of(state[name])
         if not state.get("_trial"):
             from coordinated_prep.context import stamp
@@ -216,13 +216,13 @@ class DataSpec:
     @property
     def user_transforms(self) -> bool:
         """Whether the samples come from the user's dataset or transforms rather than the built-in crop."""
-        return not isinstance(raw(self, "dataset"), str) or any(raw(self, n) is not None for n in TRANSFORM_FIELDS)
+        return not isinstance(self.dataset, str) or any(raw(self, n) is not None for n in TRANSFORM_FIELDS)
 
     @property
     def dataset_name(self) -> str:
         """The dataset, short, for messages."""
-        if isinstance(raw(self, "dataset"), (str, Packed)):
-            return repr(self.dataset) if isinstance(raw(self, "dataset"), str) else raw(self, "dataset").kind
+        if isinstance(self.dataset, str):
+            return repr(self.dataset)
         from coordinated_prep.pipeline.datasets import Factory
 
         if isinstance(self.dataset, Factory):
@@ -271,8 +271,6 @@ class DataSpec:
 _DATA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DataSpec) if f.init and f.name != "pipeline"}
 #: The torchvision-style transform fields of a DataSpec.
 TRANSFORM_FIELDS = ("transform", "target_transform", "transforms", "eval_transform", "eval_transforms")
-#: The fields that may hold a user's object, carried pickled between processes.
-CARRIED_FIELDS = ("dataset", *TRANSFORM_FIELDS)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -1,14 +1,17 @@
-"""A user's dataset and transforms travel inside a :class:`~coordinated_prep.spec.DataSpec` as
-pickled bytes, and become objects again only in a process that reads them.
+"""A user's transforms travel inside a :class:`~coordinated_prep.spec.DataSpec` as pickled bytes,
+and become objects again only in a process that reads them.
 
 A spec goes to every process of a sweep: the trials (in their Tune config), the registry, the
 coordinators and the prep actors. Only the prep actors (and a trial that prepares for itself:
 unshared, detached or a "behind" rank) run the transforms. Unpickling a ``transforms.v2``
-pipeline imports torchvision, which imports ``torch._dynamo`` (torchvision's ``roi_align``): about
-4 CPU-seconds per process on these 2-core machines, measured in a registry and its coordinators,
+pipeline imports torchvision, which imports ``torch._dynamo`` (torchvision's ``roi_align``): 4 to
+6 CPU-seconds per process on these 2-core machines, measured in a registry and its coordinators,
 which are on the path to a sweep's first batch. So the spec pickles such a field as
 :class:`Packed` bytes, and :class:`Carried` unpickles it on the field's first read in the process
 that reads it; a process that only passes the spec on pickles the same bytes again.
+
+The dataset is not carried so: the registry and the coordinators read a dataset object (its
+length, its index), and a large one pickled inside bytes would lose Ray's zero-copy buffers.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ class Packed:
 
     @classmethod
     def of(cls, value: Any) -> Any:
-        """``value`` packed, or as it is when it is light to unpickle (None, text, one of ours, packed)."""
+        """``value`` packed, or as it is when it is light to unpickle (None, text, one of ours, packed)
+        or pickled outside Ray."""
         if value is None or isinstance(value, (str, Packed)) or type(value).__module__.startswith("coordinated_prep."):
             return value
         if "ray" not in sys.modules:  # pickled outside Ray (a DataLoader's workers): as it is, no Ray import
