@@ -225,7 +225,6 @@ def test_a_rank_killed_mid_epoch_restarts_the_worker_group_with_exact_epochs(ray
     assert live_coordprep_actors() == []
 
 
-@pytest.mark.usefixtures("warm_pool")  # its pool's shape stays for the module's next sweep
 def test_the_ready_trainable_trains_with_ddp_on_two_workers_from_yaml(ray_session, small_dataset, tmp_path):
     name = f"ddp-{tmp_path.name}"
     path = tmp_path / "ddp.yaml"
@@ -234,7 +233,7 @@ def test_the_ready_trainable_trains_with_ddp_on_two_workers_from_yaml(ray_sessio
         storage_path: {tmp_path / "runs"}
         trainable: small_cnn
         data: {{dataset: {small_dataset}, pipeline: {{size: 24}}, chunk_size: 16, holdout: 0.2}}
-        pool: {{actors: 1, cpus: 0.5, keep_warm: true}}
+        pool: {{actors: 1, cpus: 0.5}}
         search_space: {{lr: {{grid: [0.02, 0.05]}}, batch_size: 8, width: 4, epochs: 3, workers: 2,
                         cpu_per_worker: 0.2}}
         max_concurrent_trials: 2

@@ -166,7 +166,7 @@ import numpy as np, ray
 from coordinated_prep import DataSpec, train_loader
 from coordinated_prep.trial.workers import WorkerPieces, _grpc_threads
 from tests.harness import batch_digests
-from tests.test_datasets import AUGMENT, images
+from tests.test_datasets import AUGMENT, Holding, images
 
 if __name__ == "__main__":
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
@@ -182,10 +182,30 @@ if __name__ == "__main__":
     print("context", chosen[0].get_start_method())
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
+        # A lambda transform travels by value (pipeline/carried.py), so its workers start from the forkserver too.
+        chosen.clear()
         lam = DataSpec(dataset=images(), transform=lambda x: x, coordinated=False, holdout=0.0, chunk_size=16)
         assert sum(len(b) for b in train_loader(lam, 8, epochs=1, num_workers=2)) == 96
+        print("lambda context", chosen[0].get_start_method() if chosen[0] else "fork")
+        # A dataset that pickle refuses (a lambda inside it) keeps fork and says so.
+        chosen.clear()
+        held = DataSpec(dataset=Holding(images()), transform=AUGMENT, coordinated=False, holdout=0.0, chunk_size=16)
+        assert sum(len(b) for b in train_loader(held, 8, epochs=1, num_workers=2)) == 96
     print("warned", [str(w.message) for w in seen if "does not pickle" in str(w.message)])
 """
+
+
+class Holding:
+    """A map-style dataset holding a lambda: cloudpickle (Ray's, the group key's) takes it, pickle does not."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.pick = inner, lambda sample: sample
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int):
+        return self.pick(self.inner[i])
 
 
 @pytest.mark.sweep  # starts Ray in a subprocess
@@ -203,6 +223,7 @@ def test_workers_start_from_a_forkserver_where_ray_left_grpc_threads(tmp_path):
                           env={**__import__("os").environ, "PYTHONPATH": REPO})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "context forkserver" in done.stdout, done.stdout
+    assert "lambda context forkserver" in done.stdout, done.stdout
     [warned] = [line for line in done.stdout.splitlines() if line.startswith("warned")]
     assert "the spec does not pickle" in warned and "<lambda>" in warned and "num_workers=0" in warned, warned
 

@@ -11,8 +11,9 @@ process (a Ray worker, or a driver that has run Ray, even after ``ray.shutdown()
 stay). A forked child inherits no threads but their locks and heap state, and a worker forked
 beside them can die with a corrupted heap; there the workers start from a ``forkserver`` that has
 imported torch, torchvision and this module once (the process's first such loader waits about 2 s
-more for its first piece, later ones 0.4 s), unless the spec does not pickle (a lambda in a
-transform), which keeps ``fork`` and says so in a warning.
+more for its first piece, later ones 0.4 s), unless the spec does not pickle (a dataset object
+holding a lambda; a transform travels by value, lambdas included: :mod:`coordinated_prep.pipeline.carried`),
+which keeps ``fork`` and says so in a warning.
 
 Process-global state: the workers prepare with one torch thread (the DataLoader's default, as the
 prep actors and in-process preparation do: :mod:`coordinated_prep.pipeline.seeding`), and starting
