@@ -21,13 +21,12 @@ from typing import Any
 
 
 class Packed:
-    """A user object pickled by value (cloudpickle, as Ray pickles a task's arguments), and the
-    name of its type (for messages, without unpickling it)."""
+    """A user object pickled by value (cloudpickle, as Ray pickles a task's arguments)."""
 
-    __slots__ = ("blob", "kind")
+    __slots__ = ("blob",)
 
-    def __init__(self, blob: bytes, kind: str) -> None:
-        self.blob, self.kind = blob, kind
+    def __init__(self, blob: bytes) -> None:
+        self.blob = blob
 
     @classmethod
     def of(cls, value: Any) -> Any:
@@ -39,10 +38,10 @@ class Packed:
             return value
         from ray import cloudpickle
 
-        return cls(cloudpickle.dumps(value), type(value).__name__)
+        return cls(cloudpickle.dumps(value))
 
     def __reduce__(self) -> tuple:
-        return Packed, (self.blob, self.kind)
+        return Packed, (self.blob,)
 
 
 class Carried:
