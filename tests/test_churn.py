@@ -156,11 +156,12 @@ def test_a_new_iter_ends_the_live_one_and_reads_the_next_epoch_whole(small_datas
         iter(loader)
 
 
-def test_a_sweep_over_four_crop_sizes_costs_one_groups_processes_and_budget(ray_session, small_dataset, tmp_path):
+def test_a_sweep_over_four_crop_sizes_costs_one_groups_processes_and_budget(ray_session, small_dataset, tmp_path,
+                                                                          warm_pool):
     baseline = plasma_objects()
     specs = [_spec(small_dataset, pipeline={"size": s}) for s in (24, 28, 32, 40)]
     node_budget = 6 * 8 * 3 * 40 * 40  # six of the largest pieces, for the whole node
-    searcher = CoordinatedSearcher(pool=PoolSpec(actors=2, staging_bytes=node_budget))
+    searcher = CoordinatedSearcher(pool=PoolSpec(actors=2, staging_bytes=node_budget, keep_warm=True))
     analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0,
                         config={"data": tune.grid_search(specs), "batch_size": 8, "epochs": 2, "delay_s": 0.02,
                                 "out": str(tmp_path)})

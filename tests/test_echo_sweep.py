@@ -9,7 +9,7 @@ import pytest
 import ray
 from ray import tune
 
-from coordinated_prep import CoordinatedSearcher, DataSpec, train_loader
+from coordinated_prep import CoordinatedSearcher, DataSpec, PoolSpec, train_loader
 from coordinated_prep.trial.echo import EchoSpec
 from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled
 from tests.harness import assert_fresh_exactly_once, reference_digests, sample_digests, train_ids
@@ -45,10 +45,10 @@ def echo_trial(config: dict) -> None:
 
 @pytest.mark.parametrize("views", [1, 2])
 def test_trials_echoing_differently_share_one_group_and_keep_exact_epochs(ray_session, small_dataset, tmp_path,
-                                                                         views):
+                                                                         views, warm_pool):
     spec = DataSpec(dataset=small_dataset, pipeline={"size": 32}, seed=5, chunk_size=8, segments=4, lookahead=2,
                     views=views)
-    _mixed_echo_sweep(spec, [8, 12], tmp_path)  # 12 straddles the pieces of 8
+    _mixed_echo_sweep(spec, [8, 12], tmp_path, warm_pool)  # 12 straddles the pieces of 8
 
 
 @pytest.mark.soak
@@ -61,7 +61,7 @@ def test_mixed_echo_on_photographs_at_224_px(ray_session, tmp_path):
     _mixed_echo_sweep(spec, [64, 96], tmp_path)  # 96 straddles the pieces
 
 
-def _mixed_echo_sweep(spec: DataSpec, batch_sizes: list[int], tmp_path) -> None:
+def _mixed_echo_sweep(spec: DataSpec, batch_sizes: list[int], tmp_path, pool: PoolSpec | None = None) -> None:
     """Five trials of one group echoing five ways (one joining mid-epoch): exact fresh epochs, the
     repeat bound, and every row's bytes those of the unshared pipeline."""
     baseline = plasma_objects()
@@ -69,7 +69,7 @@ def _mixed_echo_sweep(spec: DataSpec, batch_sizes: list[int], tmp_path) -> None:
     small, large = batch_sizes
     trials = [("opener", "off", small), ("early", "example:2", large), ("early", "batch:2", small),
               ("early", "auto:3", small), ("late", "example:3", small)]  # the late one joins mid-epoch
-    searcher = CoordinatedSearcher(max_concurrent=len(trials))
+    searcher = CoordinatedSearcher(max_concurrent=len(trials), pool=pool)
     analysis = tune.run(tune.with_resources(echo_trial, {"cpu": 0.125}), search_alg=searcher, verbose=0,
                         config={"data": spec, "out": str(tmp_path),
                                 "trial": tune.grid_search([{"role": r, "echo": e, "batch_size": b}

@@ -10,7 +10,7 @@ import dataclasses
 
 from ray import tune
 
-from coordinated_prep import CoordinatedSearcher, DataSpec
+from coordinated_prep import CoordinatedSearcher, DataSpec, PoolSpec
 from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled, settled
 from coordinated_prep.pipeline.sources import open_source
 from tests.harness import assert_exactly_once, check_trial_records, train_ids
@@ -25,8 +25,8 @@ def _spec(dataset: str, **overrides) -> DataSpec:
     return DataSpec(**values)
 
 
-def _run(config: dict, tmp_path, **kwargs):
-    searcher = CoordinatedSearcher()
+def _run(config: dict, tmp_path, pool: PoolSpec | None = None, **kwargs):
+    searcher = CoordinatedSearcher(pool=pool)
     analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), config={**config, "out": str(tmp_path)},
                         search_alg=searcher, verbose=0, raise_on_failed_trial=False, **kwargs)
     reports = searcher.group_reports()
@@ -34,15 +34,16 @@ def _run(config: dict, tmp_path, **kwargs):
     return analysis, reports
 
 
-def test_a_straggler_is_detached_after_the_lease_and_keeps_exact_epochs(ray_session, small_dataset, tmp_path):
+def test_a_straggler_is_detached_after_the_lease_and_keeps_exact_epochs(ray_session, small_dataset, tmp_path, warm_pool):
     baseline = plasma_objects()
     # The budget holds two pieces. The slow trial starts first, so the fast one runs beside it and
     # fills the budget within a few batches; from then on production stays blocked for the whole of
     # each slow step (0.6 s), which is longer than the lease (0.25 s), so the slow trial is detached
     # early in its first epoch, not by an incidental pause near its end.
     spec = _spec(small_dataset, staging_bytes=2 * 8 * 3 * 32 * 32, lease_s=0.25)
-    analysis, reports = _run({"data": spec, "batch_size": 8, "epochs": 2,
-                              "delay_s": tune.grid_search([0.6, 0.1])}, tmp_path)
+    # Once detached, the straggler reads on without its delay: the rest of its epochs take no 0.6 s steps.
+    analysis, reports = _run({"data": spec, "batch_size": 8, "epochs": 2, "delay_while_shared": True,
+                              "delay_s": tune.grid_search([0.6, 0.1])}, tmp_path, warm_pool)
     assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
     [report] = reports.values()
     assert report["evictions"] >= 1 and report["peak_staged_bytes"] <= spec.staging_bytes
@@ -67,11 +68,11 @@ def test_a_prep_actor_killed_mid_epoch_is_replaced_and_its_work_redone(ray_sessi
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
-def test_a_trial_killed_mid_epoch_is_retried_and_rejoins(ray_session, small_dataset, tmp_path):
+def test_a_trial_killed_mid_epoch_is_retried_and_rejoins(ray_session, small_dataset, tmp_path, warm_pool):
     baseline = plasma_objects()
     spec = _spec(small_dataset, lease_s=2.0)
     analysis, _ = _run({"data": spec, "batch_size": 8, "epochs": 2,
-                        "fault": tune.grid_search(["kill_self", None])}, tmp_path,
+                        "fault": tune.grid_search(["kill_self", None])}, tmp_path, warm_pool,
                        max_failures=1)
     assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
     assert (tmp_path / "killed-once").exists(), "the fault was injected"
@@ -81,14 +82,14 @@ def test_a_trial_killed_mid_epoch_is_retried_and_rejoins(ray_session, small_data
 
 
 def test_a_killed_coordinator_fails_its_trials_clearly_and_their_retries_join_a_new_one(
-        ray_session, small_dataset, tmp_path):
+        ray_session, small_dataset, tmp_path, warm_pool):
     baseline = plasma_objects()
     spec = _spec(small_dataset)
     # The long-running trial starts first; the second kills the coordinator once it has joined too,
     # so both are members of the group when it dies. Tune retries both (max_failures=1): the
     # registry sees the coordinator is dead and starts a new one, and the retries finish.
     analysis, reports = _run({"data": spec, "batch_size": 8, "epochs": 3, "delay_s": 0.3,
-                              "fault": tune.grid_search([None, "kill_coordinator"])}, tmp_path, max_failures=1)
+                              "fault": tune.grid_search([None, "kill_coordinator"])}, tmp_path, warm_pool, max_failures=1)
     assert (tmp_path / "kill_coordinator-done").exists(), "the fault was injected"
     assert [t.status for t in analysis.trials] == ["TERMINATED", "TERMINATED"], [t.error_file for t in analysis.trials]
     assert all(t.num_failures == 1 for t in analysis.trials), [t.num_failures for t in analysis.trials]

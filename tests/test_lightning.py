@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 import pytorch_lightning as pl
 import torch
 
@@ -103,6 +104,7 @@ def lightning_trial(config: dict) -> None:
     tune.report({"epochs": len(model.seen), "validated": model.validated})
 
 
+@pytest.mark.usefixtures("warm_pool")
 def test_trainers_in_a_sweep_share_exact_epochs_and_prepare_nothing_past_them(ray_session, small_dataset, tmp_path):
     """A YAML sweep of a team's own trainable (a Lightning Trainer, epochs left unset, reporting none of
     the summary's columns): exact shared epochs, nothing prepared past them, and a summary whose
@@ -121,6 +123,7 @@ def test_trainers_in_a_sweep_share_exact_epochs_and_prepare_nothing_past_them(ra
         data: {{dataset: {small_dataset}, pipeline: {{size: 16}}, seed: 2, chunk_size: 16, segments: 4}}
         search_space: {{batch_size: {{grid: [8, 16]}}, epochs: {epochs}, out: {out}}}
         resources_per_trial: {{cpu: 0.25}}
+        pool: {{keep_warm: true}}
         metric: validated
     """))
     summary = run_sweep(load_sweep(str(path)), verbose=0)
