@@ -34,6 +34,7 @@ def test_a_tiny_bench_runs_every_loader_and_format_and_writes_csv_and_png(ray_se
         steps: [simulated, cnn]
         simulated_step_ms: 1
         cnn_trials: [1]
+        cnn_loaders: [dali, coordinated-torchvision]
         cnn_batches: 2
         cnn_width: 4
         record_trials: [2]
@@ -65,6 +66,7 @@ def test_a_tiny_bench_runs_every_loader_and_format_and_writes_csv_and_png(ray_se
     rows = [r for r in rows if r["step"] not in ("decode", "launch")]
     files = [r for r in rows if r["step"] != "read" and r["format"] == "files"]
     assert [(r["step"], r["trials"]) for r in files[::4]] == [("simulated", "2"), ("cnn", "1")]
+    assert [r["loader"] for r in files if r["step"] == "cnn"] == ["dali", "coordinated-torchvision"]
     records = [(r["step"], r["loader"], r["trials"]) for r in rows if r["step"] != "read" and r["format"] == "parquet"]
     assert records == [("simulated", "dataloader", "2"), ("simulated", "coordinated-torchvision", "2")]
     for r in rows:
@@ -107,6 +109,7 @@ def test_the_shipped_bench_file_is_valid():
 @pytest.mark.parametrize("text, named", [("trials: [0]", "bench.trials"), ("loaders: [torch]", "torch"),
                                          ("sizes: 3", "sizes"), ("steps: []", "bench.steps"),
                                          ("cnn_batches: 1", "bench.cnn_batches"),
+                                         ("loaders: [dataloader]\ncnn_loaders: [dali]", "bench.cnn_loaders"),
                                          ("record_trials: [0]", "bench.record_trials"),
                                          ("record_loaders: [dali]", "dali reads image files itself")])
 def test_bad_bench_files_name_the_key(tmp_path, text, named):

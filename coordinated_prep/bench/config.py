@@ -35,6 +35,7 @@ class BenchConfig:
             (the small CNN trained on the CPU).
         simulated_step_ms: Duration of the simulated step per batch.
         cnn_trials: Trial counts for the CNN step (it is slow on a CPU).
+        cnn_loaders: Loaders run for the CNN step, some of ``loaders`` (default: all of them).
         cnn_batches: Batches per trial for the CNN step (0 = whole epochs; else at least 2, since
             the first batch of every trial counts as start-up).
         cnn_width: Channel width of the small CNN.
@@ -65,6 +66,7 @@ class BenchConfig:
     steps: tuple[str, ...] = STEPS
     simulated_step_ms: float = 5.0
     cnn_trials: tuple[int, ...] = (1, 2)
+    cnn_loaders: tuple[str, ...] | None = None
     cnn_batches: int = 4
     cnn_width: int = 8
     record_trials: tuple[int, ...] = (1, 4)
@@ -94,9 +96,16 @@ class BenchConfig:
             if not value or bad:
                 hint = "; per-trial dali reads image files itself" if "dali" in bad and name == "record_loaders" else ""
                 raise ConfigError(f"bench.{name}: {bad or 'empty'} not allowed; choose from {list(allowed)}{hint}")
+        if self.cnn_loaders is not None and (not self.cnn_loaders or set(self.cnn_loaders) - set(self.loaders)):
+            raise ConfigError(f"bench.cnn_loaders={list(self.cnn_loaders)!r} must be some of bench.loaders "
+                              f"{list(self.loaders)} (or unset: all of them)")
         if not self.simulated_step_ms > 0:
             raise ConfigError(f"bench.simulated_step_ms={self.simulated_step_ms!r} must be positive")
         self._check_transform()
+
+    def step_loaders(self, step: str) -> tuple[str, ...]:
+        """The loaders run for ``step``."""
+        return self.cnn_loaders or self.loaders if step == "cnn" else self.loaders
 
     def _check_transform(self) -> None:
         """A factory from its mapping; the DALI loaders, which cannot run a user transform, refused with it."""

@@ -85,7 +85,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[dict[str, Any]], None] | Non
             best: dict[int, float | None] = {}  # per N: the best independent loader's rate on the raw files
             for n in cfg.trials if step == "simulated" else cfg.cnn_trials:
                 floor = measure_launch(cfg, n) if step == "simulated" else None
-                measured = [measure(cfg, loader, n, step) for loader in cfg.loaders]
+                measured = [measure(cfg, loader, n, step) for loader in cfg.step_loaders(step)]
                 best[n] = max((r["samples_per_s"] for r in measured if r["loader"] in INDEPENDENT), default=None)
                 best_waited = max((r["samples_per_s_with_startup"] for r in measured if r["loader"] in INDEPENDENT),
                                   default=None)
