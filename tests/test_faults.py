@@ -88,7 +88,7 @@ def test_a_killed_coordinator_fails_its_trials_clearly_and_their_retries_join_a_
     # The long-running trial starts first; the second kills the coordinator once it has joined too,
     # so both are members of the group when it dies. Tune retries both (max_failures=1): the
     # registry sees the coordinator is dead and starts a new one, and the retries finish.
-    analysis, reports = _run({"data": spec, "batch_size": 8, "epochs": 3, "delay_s": 0.3,
+    analysis, reports = _run({"data": spec, "batch_size": 8, "epochs": 2, "delay_s": 0.3,
                               "fault": tune.grid_search([None, "kill_coordinator"])}, tmp_path, warm_pool, max_failures=1)
     assert (tmp_path / "kill_coordinator-done").exists(), "the fault was injected"
     assert [t.status for t in analysis.trials] == ["TERMINATED", "TERMINATED"], [t.error_file for t in analysis.trials]
