@@ -106,7 +106,8 @@ def _last_result(storage: str, row: dict) -> dict:
 
 def test_an_interrupted_sweep_resumes_with_resume_and_finishes_every_trial(ray_session, small_dataset, tmp_path):
     baseline = plasma_objects()
-    cfg = dataclasses.replace(load_sweep(_sweep(tmp_path, small_dataset, "interrupted")), max_concurrent_trials=2)
+    cfg = dataclasses.replace(load_sweep(_sweep(tmp_path, small_dataset, "interrupted")), max_concurrent_trials=2,
+                              reuse_actors=True)  # four trials in two processes
     first = run_sweep(cfg, verbose=0, callbacks=[Interrupt(after=3, marker=str(tmp_path / "interrupted"))])
     assert first["interrupted"], [t["status"] for t in first["trials"]]
     finished = {t["trial"] for t in first["trials"] if t["status"] == "TERMINATED"}
