@@ -4,6 +4,7 @@ shard that cannot be fetched is retried a bounded number of times and then named
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import textwrap
@@ -133,6 +134,47 @@ def test_openers_waiting_for_a_holder_that_gives_up_raise_its_error_without_fetc
         with pytest.raises(DatasetError, match="could not be fetched in 3 attempts"):  # asked later: tried again
             open_source.__wrapped__(url)
         assert _gets(server)["/broken-000000.tar"] == 2 * remote.ATTEMPTS
+
+
+def _lock_is_free(path: str) -> bool:
+    with open(path, "a+b") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return True
+
+
+def test_an_opener_waiting_for_a_hung_holder_gives_up_naming_the_lock_and_never_keeps_it(shards, node_cache,
+                                                                                         tmp_path, monkeypatch):
+    monkeypatch.setattr(remote, "LOCK_WAIT_S", 0.5)
+    downloading, hung = threading.Event(), threading.Event()
+    download = remote._download
+
+    def hanging(*args) -> None:  # the holder's download hangs until the test lets it go on
+        downloading.set()
+        hung.wait(timeout=60)
+        download(*args)
+
+    monkeypatch.setattr(remote, "_download", hanging)
+    with Server("http", str(tmp_path / "http.log"), shards) as server:
+        url = f"{server.url}/shard-000000.tar"
+        held: list = []
+        holder = threading.Thread(target=lambda: held.append(open_source.__wrapped__(url)))
+        holder.start()
+        assert downloading.wait(timeout=30), "the holder started its download"
+        with pytest.raises(DatasetError, match="has been fetching it for more than 0.5 s") as e:
+            open_source.__wrapped__(url)  # waits 0.5 s for the lock, then names it
+        [lock] = [os.path.join(node_cache, f) for f in os.listdir(node_cache) if f.endswith(".lock")]
+        assert url in str(e.value) and f"fuser {lock}" in str(e.value), str(e.value)
+        hung.set()
+        holder.join(timeout=60)
+        assert len(held) == 1 and len(held[0]) == 64, "the holder fetched and indexed the shard"
+        # The abandoned wait took the lock once the holder let it go, and let it go at once.
+        assert settled(lambda: _lock_is_free(lock), True), "an abandoned wait kept the lock"
+        assert len(open_source.__wrapped__(url)) == 64  # the copy, not fetched again
+        assert _gets(server)["/shard-000000.tar"] == 1, "the waiter that gave up fetched nothing"
 
 
 def test_shards_in_an_s3_compatible_store_read_with_credentials_from_the_environment(shards, node_cache, tmp_path,

@@ -8,8 +8,8 @@ serves well: one GET per shard per node for the whole sweep, however many trials
 
 Fetching, per shard: look up its size and version (ETag or modification time: the copy is named
 after them, so a shard replaced at its URL is fetched anew), take the copy's lock file (``flock``;
-the kernel releases it if its holder dies, so a waiter waits at most for one bounded fetch of a
-live holder), return the copy if an earlier holder left it, else fetch into ``<copy>.part`` in at
+the kernel releases it if its holder dies; a waiter gives up after :data:`LOCK_WAIT_S`, naming the
+lock, should a live holder hang), return the copy if an earlier holder left it, else fetch into ``<copy>.part`` in at
 most :data:`ATTEMPTS` attempts (fsspec's own timeouts bound each), then ``fsync`` and rename it into
 place: a copy either exists whole or not at all. A holder that gives up leaves its error in
 ``<copy>.failed``; the processes that waited for it raise that error instead of trying again each
@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import re
+import threading
 import time
 from typing import Sequence
 
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 ATTEMPTS = 3  # fetches of one shard before its error is raised
 BACKOFF_S = 0.5  # wait before the second attempt; doubled before each later one
+LOCK_WAIT_S = 1800.0  # longest wait for another process of the node fetching the same shard
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 
@@ -88,8 +90,7 @@ def _fetch(url: str, folder: str) -> str:
     if os.path.exists(path):
         return path
     asked = time.time()
-    with open(path + ".lock", "a+b") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if the holder dies (module docstring)
+    with _locked(path + ".lock", url):
         if os.path.exists(path):
             return path  # an earlier holder fetched it
         failed = path + ".failed"
@@ -127,6 +128,55 @@ def _fetch(url: str, folder: str) -> str:
             f.write(message)
         os.replace(failed + ".tmp", failed)
     raise DatasetError(message)
+
+
+class _locked:
+    """The exclusive ``flock`` of ``lock_path`` for the ``with`` block, waited for at most :data:`LOCK_WAIT_S`.
+
+    The kernel releases a dead holder's lock; the deadline covers a live holder that hangs. A flock
+    cannot be waited for with a timeout, so a held lock is waited for in a thread of its own, blocked
+    in the kernel (no polling). Past the deadline the caller raises; the thread, once it gets the
+    lock, releases it at once and closes its file: an abandoned wait never keeps the lock.
+    """
+
+    def __init__(self, lock_path: str, url: str) -> None:
+        self.path, self.url = lock_path, url
+        self.file = open(lock_path, "a+b")
+
+    def __enter__(self) -> None:
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)  # not held: no thread
+            return
+        except BlockingIOError:
+            pass
+        except BaseException:
+            self.file.close()
+            raise
+        taken, guard, state = threading.Event(), threading.Lock(), {"abandoned": False}
+
+        def wait() -> None:
+            fcntl.flock(self.file, fcntl.LOCK_EX)  # returns when the holder finishes or dies
+            with guard:
+                if state["abandoned"]:
+                    fcntl.flock(self.file, fcntl.LOCK_UN)
+                    self.file.close()
+                else:
+                    taken.set()
+
+        threading.Thread(target=wait, name="coordprep-shard-lock", daemon=True).start()
+        if taken.wait(LOCK_WAIT_S):
+            return
+        with guard:
+            if not taken.is_set():
+                state["abandoned"] = True  # the thread releases the lock and closes the file
+                raise DatasetError(
+                    f"shard {self.url}: another process of this node has been fetching it for more than "
+                    f"{LOCK_WAIT_S:g} s and still holds {self.path}; find it with 'fuser {self.path}' and end it "
+                    "(its download hung: check the network to the store), then open the dataset again")
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self.file, fcntl.LOCK_UN)
+        self.file.close()
 
 
 def _download(fs, remote: str, local: str) -> None:
