@@ -178,3 +178,24 @@ def test_the_summary_says_where_sharing_did_not_pay_and_why():
     assert "Group bbb: saving 1.00x; one trial read it" in text
     assert "Group ccc: saving 1.05x; 2 trials read it, but seldom at the same time" in text
     assert "Group ddp: saving 1.00x; one trial read it" in text  # one trial's two ranks split its epoch
+
+
+def test_the_summary_names_each_trial_that_prepared_samples_itself_and_why():
+    from coordinated_prep.sweep.runner import _measured
+    from coordinated_prep.sweep.summary import build_summary, format_summary
+
+    late = "it met its sibling ranks after its node had released their start, piece 8"
+    lease = "the lease of 0.25 s detached it at piece 3: it held the group's staging budget while other trials waited"
+    loaders = {"t6@0": {"epochs": 2, "private_samples": 0, "private_reason": None},
+               "t6@1": {"epochs": 2, "private_samples": 324, "private_reason": late},
+               "t7": {"epochs": 2, "private_samples": 130, "private_reason": lease},
+               "t8": {"epochs": 2, "private_samples": 0, "private_reason": None}}
+    rows = [_measured({"trial": t, "status": "TERMINATED", "private_samples": reported}, loaders)
+            for t, reported in (("t6", 0), ("t7", 130), ("t8", 0), ("t9", None))]
+    assert [(r["private_samples"], r["private_reason"]) for r in rows] == [
+        (324, f"rank 1: {late}"), (130, lease), (0, None), (None, None)]  # t9: no loader reported
+    groups = {"g": {"samples_prepared": 100, "samples_served": 300, "starts": {"t6": 0, "t7": 0, "t8": 0}}}
+    text = format_summary(build_summary(rows, groups, "accuracy", "max"))
+    assert f"Trial t6 prepared 324 samples itself (rank 1: {late})." in text
+    assert f"Trial t7 prepared 130 samples itself ({lease})." in text
+    assert "Trial t8" not in text and "Trial t9" not in text

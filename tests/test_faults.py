@@ -25,11 +25,15 @@ def _spec(dataset: str, **overrides) -> DataSpec:
     return DataSpec(**values)
 
 
-def _run(config: dict, tmp_path, pool: PoolSpec | None = None, **kwargs):
+def _run(config: dict, tmp_path, pool: PoolSpec | None = None, loaders: dict | None = None, **kwargs):
+    """Runs ``record`` under Tune; returns the analysis and the group reports (``loaders``: filled with
+    what each trial's loader told the sweep)."""
     searcher = CoordinatedSearcher(pool=pool)
     analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), config={**config, "out": str(tmp_path)},
                         search_alg=searcher, verbose=0, raise_on_failed_trial=False, **kwargs)
     reports = searcher.group_reports()
+    if loaders is not None:
+        loaders.update(searcher.loader_reports())
     searcher.close()
     return analysis, reports
 
@@ -42,18 +46,23 @@ def test_a_straggler_is_detached_after_the_lease_and_keeps_exact_epochs(ray_sess
     # early in its first epoch, not by an incidental pause near its end.
     spec = _spec(small_dataset, staging_bytes=2 * 8 * 3 * 32 * 32, lease_s=0.25)
     # Once detached, the straggler reads on without its delay: the rest of its epochs take no 0.6 s steps.
+    loaders: dict = {}
     analysis, reports = _run({"data": spec, "batch_size": 8, "epochs": 2, "delay_while_shared": True,
-                              "delay_s": tune.grid_search([0.6, 0.1])}, tmp_path, warm_pool)
+                              "delay_s": tune.grid_search([0.6, 0.1])}, tmp_path, warm_pool, loaders)
     assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
     [report] = reports.values()
     assert report["evictions"] >= 1 and report["peak_staged_bytes"] <= spec.staging_bytes
     delays = {t.trial_id: t.config["delay_s"] for t in analysis.trials}
     for trial, epochs in load_records(str(tmp_path)).items():
         check_trial_records(spec, epochs, 8, trial)
+        told = loaders[trial]  # what its loader told the sweep (the summary's notes)
         if delays[trial] == max(delays.values()):
             assert int(epochs[-1]["private_samples"]) > 0, "the straggler prepared its own pieces after the lease"
+            assert told["private_samples"] == int(epochs[-1]["private_samples"]), told
+            assert told["private_reason"].startswith("the lease of 0.25 s detached it at piece "), told
         else:
             assert int(epochs[-1]["private_samples"]) == 0, "the lease detaches the straggler only"
+            assert told["private_samples"] == 0 and told["private_reason"] is None, told
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 

@@ -240,9 +240,17 @@ def _measured(row: dict[str, Any], loaders: dict[str, dict[str, Any]]) -> dict[s
     what the trial's loader measured itself (rank 0's for a data-parallel trial)."""
     measured = loaders.get(row["trial"]) or loaders.get(f"{row['trial']}@0")
     if measured:
-        for column in ("epochs", "data_wait_s", "stall_fraction"):
+        for column in ("epochs", "data_wait_s", "stall_fraction", "private_samples"):
             if row.get(column) is None:
                 row[column] = measured.get(column)
+    # Why it (or a rank of it) prepared samples itself, where it did, and how many (all its ranks'):
+    # the summary's notes say so.
+    mine = {key: stats for key, stats in loaders.items() if key.split("@", 1)[0] == row["trial"]}
+    reasons = sorted(f"{'rank ' + key.split('@', 1)[1] + ': ' if '@' in key else ''}{stats['private_reason']}"
+                     for key, stats in mine.items() if stats.get("private_reason"))
+    row["private_reason"] = "; ".join(reasons) or None
+    if reasons:
+        row["private_samples"] = sum(stats.get("private_samples") or 0 for stats in mine.values())
     return row
 
 

@@ -98,7 +98,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         lines.append(format_table(["group"] + (["searched data"] if searched else [])
                                   + ["dataset", "prepared", "served", "saving", "peak MiB", "fetch s", "decode+aug s",
                                      "put s", "detached", "released", "stall s", "nodes"], rows))
-        lines += sharing_notes(summary["groups"])
+        lines += sharing_notes(summary["groups"]) + private_notes(summary["trials"])
     elif not summary.get("coordinated", True):
         lines.append("No coordinated data groups (coordinated: false): every trial prepared its own data.")
     else:
@@ -166,6 +166,12 @@ def sharing_notes(groups: Mapping[str, Mapping[str, Any]]) -> list[str]:
                    "group, or make the data groups fewer")
         notes.append(f"Group {key}: saving {saving:.2f}x; {why}.")
     return notes
+
+
+def private_notes(trials: list[Mapping[str, Any]]) -> list[str]:
+    """A line per trial of a group that prepared samples itself, saying why (its loader told the sweep)."""
+    return [f"Trial {t['trial']} prepared {t.get('private_samples') or 'some'} samples itself ({t['private_reason']})."
+            for t in trials if t.get("private_reason")]
 
 
 def _num(value: Any, fmt: str = "{:.4f}") -> str:

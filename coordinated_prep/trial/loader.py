@@ -93,6 +93,12 @@ class TrainLoader:
         return self._stream.private_samples
 
     @property
+    def private_reason(self) -> str | None:
+        """Why a shared trial prepared samples itself (detached by the lease, a late data-parallel rank);
+        None while it reads its group's pieces, and for an unshared trial."""
+        return getattr(self._stream, "private_reason", None)
+
+    @property
     def trial(self) -> str:
         """The trial this loader reads for: the Tune trial id, ``train:<name>:<run>`` for a run of Ray
         Train alone, or ``local`` (:mod:`coordinated_prep.context`)."""
@@ -215,7 +221,8 @@ class TrainLoader:
             return
         try:  # also from a generator's finally, at any time (collected, interpreter exit): never raises
             self.sink.loader_stats.remote(self._tags["trial"], id(self), {
-                "epochs": self.epochs_read, "data_wait_s": self.read_wait_s, "stall_fraction": self.stall_fraction})
+                "epochs": self.epochs_read, "data_wait_s": self.read_wait_s, "stall_fraction": self.stall_fraction,
+                "private_samples": self.private_samples, "private_reason": self.private_reason})
         except Exception as e:  # noqa: BLE001 - Ray shut down, or the registry is gone: only a summary column lost
             logger.debug("trial %s: loader figures not sent: %r", self._trial, e)
 

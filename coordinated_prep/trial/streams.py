@@ -146,11 +146,14 @@ class SharedStream:
         self._spec = spec
         self._trial = consumer
         self._fallback: PrivateStream | None = None  # set when the lease detaches this trial
+        self.private_reason: str | None = None  # why it prepares its own pieces, once it does (the summary says)
         self._timeout = spec.fetch_timeout_s
         info = self._join(trial, epochs, rank)
         self._trial = consumer = info["consumer"]  # ``<consumer>@<rank>`` for a data-parallel rank
         if info["token"] is None:  # its node released the ranks' start already: its own pieces from there
             self._fallback = in_process(lambda: PrivateStream(spec, first=info["start"]))  # its probe prepares
+            self.private_reason = (f"it met its sibling ranks after its node had released their start, "
+                                   f"piece {info['start']}")
             info.update(token=-1, chunks_per_epoch=self._fallback.chunks_per_epoch,  # -1: no incarnation to leave
                         samples_per_epoch=self._fallback.samples_per_epoch,
                         chunk_size=self._fallback._plan.chunk_size)
@@ -318,6 +321,8 @@ class SharedStream:
                        "its own pieces from piece %d on", self._trial, self.coordinator, g)
         self._pending.clear()
         self._fallback = fallback
+        self.private_reason = (f"the lease of {self._spec.lease_s:g} s detached it at piece {g}: it held the group's "
+                               "staging budget while other trials waited")
 
     def close(self) -> None:
         """Leave the group (idempotent); pieces only this trial still needed are freed."""
