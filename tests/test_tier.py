@@ -170,6 +170,13 @@ def test_a_prefix_output_comes_back_as_the_kind_it_was_in_fresh_memory():
         back[...] = 0  # the tail may write: its own copy
     with pytest.raises(StructureError, match="here: .*Mask"):
         pack(tv_tensors.Mask(torch.zeros(2, 2)), "here")
+    # A decoded image is a (C, H, W) view of (H, W, C) memory: it comes back in that layout, which
+    # torchvision's uint8 resize runs 2.6x as fast on as on a contiguous copy (for equal bytes).
+    decoded = tv_tensors.Image(torch.arange(36, dtype=torch.uint8).reshape(3, 4, 3).permute(2, 0, 1))
+    packed = pack(decoded, "here")
+    assert packed[1] == "image/hwc" and packed[0].shape == (3, 4, 3) and packed[0].flags.c_contiguous
+    back = unpack(packed)
+    assert type(back) is tv_tensors.Image and torch.equal(back, decoded) and back.permute(1, 2, 0).is_contiguous()
 
 
 def test_the_built_in_crop_and_a_user_transform_share_the_decode(small_dataset):

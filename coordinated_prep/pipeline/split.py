@@ -101,10 +101,17 @@ def prefix_key(dataset: str, steps: Sequence[Any]) -> str:
 
 #: What a packed prefix output was: a ``tv_tensors.Image``, a plain tensor, or a NumPy array.
 IMAGE, TENSOR, ARRAY = "image", "tensor", "array"
+#: Suffix of the kind of a (C, H, W) tensor kept in its (H, W, C) memory, as a JPEG decoder gives it.
+HWC = "/hwc"
 
 
 def pack(output: Any, where: str) -> tuple[np.ndarray, str]:
-    """A prefix output as ``(contiguous array, IMAGE | TENSOR | ARRAY)``: its bytes and its kind."""
+    """A prefix output as ``(contiguous array, kind)``: its bytes and what it was (IMAGE, TENSOR or ARRAY).
+
+    A decoded image is a (C, H, W) view of (H, W, C) memory. It is kept in that memory (kind ``+ HWC``),
+    so that the tail gets it as the decoder gave it: torchvision's antialiased uint8 resize takes 0.7 ms
+    on that layout and 1.9 ms on a contiguous (C, H, W) copy of a 500 x 375 photograph, for equal bytes.
+    """
     import torch
     from torchvision import tv_tensors
 
@@ -119,8 +126,11 @@ def pack(output: Any, where: str) -> tuple[np.ndarray, str]:
             f"{type(output).__name__}{' of bfloat16' if getattr(output, 'dtype', None) == torch.bfloat16 else ''}, "
             "not an image, tensor or array the decoded tier can keep; move the step that makes it after the first "
             "random step, or set deterministic = False on it")
-    array = output.as_subclass(torch.Tensor).contiguous().numpy()
-    return array, IMAGE if isinstance(output, tv_tensors.Image) else TENSOR
+    kind = IMAGE if isinstance(output, tv_tensors.Image) else TENSOR
+    tensor = output.as_subclass(torch.Tensor)
+    if tensor.dim() == 3 and tensor.shape[0] > 1 and tensor.permute(1, 2, 0).is_contiguous():
+        return tensor.permute(1, 2, 0).numpy(), kind + HWC
+    return tensor.contiguous().numpy(), kind
 
 
 def unpack(packed: tuple[np.ndarray, str]) -> Any:
@@ -133,7 +143,10 @@ def unpack(packed: tuple[np.ndarray, str]) -> Any:
     array = np.array(array, copy=True)
     if kind == ARRAY:
         return array
-    return tv_tensors.Image(torch.from_numpy(array)) if kind == IMAGE else torch.from_numpy(array)
+    tensor = torch.from_numpy(array)
+    if kind.endswith(HWC):
+        tensor, kind = tensor.permute(2, 0, 1), kind.removesuffix(HWC)
+    return tv_tensors.Image(tensor) if kind == IMAGE else tensor
 
 
 def packed_bytes(values: Sequence[tuple[np.ndarray, str]]) -> int:

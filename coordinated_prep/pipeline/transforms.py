@@ -27,7 +27,7 @@ import numpy as np
 from coordinated_prep.errors import ConfigError, SampleError
 from coordinated_prep.pipeline.datasets import EncodedImages, build
 from coordinated_prep.pipeline.seeding import _FETCH, key_seed, preserved, reseed
-from coordinated_prep.pipeline.split import IMAGE, pack, prefix_key, split_transform, unpack
+from coordinated_prep.pipeline.split import pack, prefix_key, split_transform, unpack
 
 
 class Pipeline(Protocol):
@@ -94,15 +94,16 @@ class ImagePipeline:
         return [(image, label) for image in self.preprocessor.train_views(raw, seed, epoch, index, views)]
 
     def prefix(self, raw: Any, index: int) -> tuple[np.ndarray, str]:
-        """The decoded image, packed as a ``tv_tensors.Image`` (as a user transform's prefix packs it)."""
-        return np.ascontiguousarray(self.preprocessor.decode(raw).numpy()), IMAGE
+        """The decoded image, packed in the decoder's memory layout (as a user transform's prefix is)."""
+        from torchvision import tv_tensors
+
+        return pack(tv_tensors.Image(self.preprocessor.decode(raw)), f"the decode of sample {index}")
 
     def tail(self, packed: tuple[np.ndarray, str], seed: int, epoch: int, index: int, views: int) -> list[Any]:
         """The crop and flip of each view, from a decoded image (copied: a kept one is read-only)."""
         import torch
 
-        images = self.preprocessor.augment(torch.from_numpy(np.array(packed[0], copy=True)), seed, epoch, index,
-                                           views)
+        images = self.preprocessor.augment(unpack(packed).as_subclass(torch.Tensor), seed, epoch, index, views)
         label = int(self.source.labels[index])
         return [(images[v], label) for v in range(views)]
 
