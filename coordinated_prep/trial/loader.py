@@ -94,8 +94,7 @@ class TrainLoader:
 
     @property
     def private_reason(self) -> str | None:
-        """Why a shared trial prepared samples itself (detached by the lease, a late data-parallel rank);
-        None while it reads its group's pieces, and for an unshared trial."""
+        """Why a shared trial prepared samples itself (the lease detached it, a late rank); else None."""
         return getattr(self._stream, "private_reason", None)
 
     @property
