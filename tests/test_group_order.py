@@ -173,3 +173,93 @@ def test_suggestions_held_back_are_saved_with_tunes_checkpoint_and_restored(tmp_
         trial = again._order.release()
         rest.append(trial.config["i"])
     assert sorted([t.config["i"] for t in released] + rest) == list(range(40)), "a config lost or run twice"
+
+
+# -- a model-based searcher's bounded look-ahead ----------------------------------------------------
+
+class _Sequential:
+    """A stand-in for a model-based Tune Searcher: suggests configs of data groups in a fixed order,
+    and counts the suggestions it has out (suggested, not yet complete)."""
+
+    def __new__(cls, specs):
+        from ray.tune.search import Searcher
+
+        class Sequential(Searcher):
+            def __init__(self):
+                super().__init__(metric="accuracy", mode="max")
+                self.specs, self.made, self.out, self.most_out = list(specs), [], set(), 0
+
+            def suggest(self, trial_id):
+                if len(self.made) == len(self.specs):
+                    return Searcher.FINISHED
+                self.made.append(trial_id)
+                self.out.add(trial_id)
+                self.most_out = max(self.most_out, len(self.out))
+                return {"data": self.specs[len(self.made) - 1], "i": len(self.made) - 1}
+
+            def on_trial_complete(self, trial_id, result=None, error=False):
+                self.out.discard(trial_id)
+
+        return Sequential()
+
+
+def _drive(searcher, limit: int) -> list[list[int]]:
+    """Run ``searcher``'s trials as Tune would at ``limit`` at once, completing the oldest running
+    trial whenever no other can start; returns the indices running after each release."""
+    from ray import tune
+
+    tune.register_trainable("coordprep_ahead_test", tune.with_resources(lambda config: None, {"cpu": 0.5}))
+    searcher.add_configurations({"sweep": {"run": "coordprep_ahead_test", "config": {}, "num_samples": 8}})
+    running, seen = [], []
+    while not searcher.is_finished():
+        trial = searcher._release() if len(running) < limit else None
+        if trial is None:
+            done = running.pop(0)
+            searcher.on_trial_complete(done.trial_id, result={"accuracy": 0.5})
+            continue
+        running.append(trial)
+        seen.append(sorted(t.config["i"] for t in running))
+    return seen
+
+
+def test_a_sequential_searchers_suggestions_run_group_by_group_within_a_bounded_look_ahead(tmp_path):
+    from coordinated_prep import CoordinatedSearcher, DataSpec
+    from coordinated_prep.tune.wrapping import SEARCHER_WINDOW
+
+    a, b = (DataSpec(dataset=str(tmp_path), pipeline={"size": 8}, seed=s) for s in (1, 2))
+    specs = [a, b] * 4  # the searcher suggests A, B, A, B, ...
+    group = {i: ("A" if i % 2 == 0 else "B") for i in range(8)}
+
+    inner = _Sequential(specs)
+    pairs = _drive(CoordinatedSearcher(inner, max_concurrent=2), limit=2)
+    full = [p for p in pairs if len(p) == 2]
+    mixed = [p for p in full if group[p[0]] != group[p[1]]]
+    assert len(full) == 7 and len(mixed) == 1, pairs  # one group's pairs, then the other's: one hand-over
+    assert sorted(inner.made) == sorted(set(inner.made)) and len(inner.made) == 8, "each config suggested once"
+    assert sorted({i for p in pairs for i in p}) == list(range(8)), "and each released"
+    # Never asked more than the window ahead of the trials that run (the bound on its lost information).
+    assert inner.most_out <= 2 + SEARCHER_WINDOW - 1
+
+    # Its own order, as before: the two running trials are of different groups.
+    inner = _Sequential(specs)
+    pairs = _drive(CoordinatedSearcher(inner, max_concurrent=2, order="tune"), limit=2)
+    assert all(group[i] != group[j] for i, j in (p for p in pairs if len(p) == 2)), pairs
+    assert inner.most_out <= 2
+
+
+def test_a_searchers_look_ahead_and_limit_are_checked_and_a_limiter_passed_in_is_applied_around_it(tmp_path):
+    from ray.tune.search import ConcurrencyLimiter
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+    from ray.tune.search.search_generator import SearchGenerator
+
+    from coordinated_prep import ConfigError, CoordinatedSearcher
+
+    searcher = CoordinatedSearcher(ConcurrencyLimiter(_Sequential([]), 3), window=2)
+    assert searcher._max_concurrent == 3 and searcher.searcher.max_concurrent == 3 + 2 - 1
+    with pytest.raises(ConfigError, match="max_concurrent=2 and the ConcurrencyLimiter's max_concurrent=3"):
+        CoordinatedSearcher(ConcurrencyLimiter(_Sequential([]), 3), max_concurrent=2)
+    with pytest.raises(ConfigError, match="window=0 must be an integer >= 1"):
+        CoordinatedSearcher(window=0)
+    with pytest.raises(ConfigError, match="keeps its own order"):
+        CoordinatedSearcher(SearchGenerator(_Sequential([])), window=4)
+    assert CoordinatedSearcher(BasicVariantGenerator(max_concurrent=2))._max_concurrent == 2

@@ -265,12 +265,15 @@ def test_pb2_mistakes_name_the_key(tmp_path, monkeypatch, line, message):
 def test_searchers_build_the_tune_search_algorithm_named(tmp_path):
     from ray.tune.search.optuna import OptunaSearch
 
+    from coordinated_prep.tune.wrapping import SEARCHER_WINDOW
+
     cfg = load_sweep(_write(tmp_path, NO_GRID + "search: {type: optuna, seed: 7}\n"))
     assert cfg.search == SearchSpec("optuna", 7)
     search_alg, searcher = _search_algorithm(cfg)
     assert search_alg is searcher and isinstance(searcher, CoordinatedSearcher)
     limiter = searcher.searcher  # what Tune reads to know how many trials may be pending
-    assert isinstance(limiter, ConcurrencyLimiter) and limiter.max_concurrent == 2
+    assert searcher._max_concurrent == 2 and searcher._order.window == SEARCHER_WINDOW, "2 run, 4 held to order"
+    assert isinstance(limiter, ConcurrencyLimiter) and limiter.max_concurrent == 2 + SEARCHER_WINDOW - 1
     assert isinstance(limiter.searcher, OptunaSearch) and limiter.searcher._seed == 7
     unshared = load_sweep(_write(tmp_path, NO_GRID.replace("seed: 3", "seed: 3, coordinated: false")
                                  + "search: {type: optuna}\n"))
@@ -300,6 +303,13 @@ def test_search_order_tune_keeps_tunes_order(tmp_path):
     assert searcher._order.window == 1 and searcher._max_concurrent == 2
 
 
+def test_a_model_based_search_looks_ahead_a_bounded_window(tmp_path):
+    cfg = load_sweep(_write(tmp_path, NO_GRID + "search: {type: optuna, window: 3}\n"))
+    _, searcher = _search_algorithm(cfg)
+    assert searcher._order.window == 3 and searcher._max_concurrent == 2
+    assert searcher.searcher.max_concurrent == 2 + 3 - 1, "Optuna is asked at most 2 suggestions ahead"
+
+
 def test_a_seed_repeats_the_random_search(tmp_path):
     cfg = load_sweep(_write(tmp_path, GOOD + "search: {type: random, seed: 5}\n"))
 
@@ -317,7 +327,8 @@ def test_a_seed_repeats_the_random_search(tmp_path):
     ("{type: bayes}", r"search.type='bayes' must be one of \['random', 'grid', 'optuna', 'hyperopt'\]"),
     ("{type: optuna, seed: -1}", r"search.seed=-1 must be an integer >= 0"),
     ("{type: optuna, seed: 1.5}", r"search.seed=1.5 must be an integer >= 0"),
-    ("{type: optuna, sampler: tpe}", r"search: unknown key\(s\) \['sampler'\]; allowed: \['type', 'seed', 'order'\]"),
+    ("{type: optuna, sampler: tpe}", r"search: unknown key\(s\) \['sampler'\]; allowed: \['type', 'seed', 'order', 'window'\]"),
+    ("{type: optuna, window: 0}", r"search.window=0 must be an integer >= 1 \(1: no look-ahead\)"),
     ("{type: random, order: fifo}", r"search.order='fifo' must be 'group' \(a data group's trials run together\) or 'tune'"),
     ("optuna", r"search must be a mapping"),
     ("{type: optuna}", r"search_space.width: search.type=optuna cannot search a grid; write \{choice: \[8, 16\]\}"),

@@ -157,28 +157,39 @@ def _grouped_lifetime(config):
     tune.report({"start": start, "end": time.time(), "group": config["data"].group_key})
 
 
-def test_a_grids_trials_run_group_by_group(ray_session, small_dataset, tmp_path, warm_pool):
-    """Tune generates a YAML grid over two data groups as A, B, A, B (num_samples: 2); two at a
-    time, the searcher runs them as A, A, B, B. (How each suggestion's group is read, DataSpecs in
-    the grid included, is tested without Ray in tests/test_group_order.py.)"""
+@pytest.mark.parametrize("searched", ["grid", "optuna"])
+def test_a_sweeps_trials_run_group_by_group(ray_session, small_dataset, tmp_path, warm_pool, searched):
+    """Tune generates a YAML grid over two data groups as A, B, A, B (num_samples: 2), and Optuna
+    seeded with 10 suggests A, B, A, B too; two at a time, the searcher runs them as A, A, B, B.
+    (How each suggestion's group is read, DataSpecs in the grid included, and the look-ahead's bound
+    are tested without Ray in tests/test_group_order.py.)"""
+    from ray.tune.search.optuna import OptunaSearch
+
     from coordinated_prep.sweep.data_space import DataSearch
 
     a, b = _spec(small_dataset, seed=1), _spec(small_dataset, seed=2)
     # as `coordprep sweep` builds it: the DataSpec made from each trial's data keys
     search = DataSearch({"dataset": small_dataset, "pipeline": {"size": 32, "scale": [0.3, 1.0]}, "chunk_size": 8,
                          "segments": 4, "lookahead": LOOKAHEAD}, ("data.seed",))
-    param_space = {"data.seed": tune.grid_search([1, 2]), "data": search.to_tune()}
-    searcher = CoordinatedSearcher(pool=warm_pool)
-    tuner = tune.Tuner(tune.with_resources(_grouped_lifetime, {"cpu": 0.25}), param_space=param_space,
-                       tune_config=tune.TuneConfig(search_alg=searcher, max_concurrent_trials=2, num_samples=2,
-                                                   reuse_actors=True),
+    if searched == "grid":
+        param_space, searcher, num_samples = {"data.seed": tune.grid_search([1, 2])}, None, 2
+    else:
+        param_space, searcher, num_samples = {"data.seed": tune.choice([1, 2])}, OptunaSearch(seed=10), 4
+        alone = OptunaSearch(seed=10, metric="start", mode="max")  # what it suggests, in its order
+        alone.set_search_properties(None, None, dict(param_space))
+        assert [alone.suggest(f"t{i}")["data.seed"] for i in range(4)] == [1, 2, 1, 2]
+    searcher = CoordinatedSearcher(searcher, pool=warm_pool)
+    tuner = tune.Tuner(tune.with_resources(_grouped_lifetime, {"cpu": 0.25}),
+                       param_space={**param_space, "data": search.to_tune()},
+                       tune_config=tune.TuneConfig(search_alg=searcher, max_concurrent_trials=2, num_samples=num_samples,
+                                                   reuse_actors=True, metric="start", mode="max"),
                        run_config=tune.RunConfig(verbose=0, storage_path=str(tmp_path)))
     results = tuner.fit()
     searcher.close()
     assert not results.errors, results.errors
     by_start = [r.metrics["group"] for r in sorted(results, key=lambda r: r.metrics["start"])]
     assert sorted(by_start) == sorted([a.group_key, b.group_key] * 2)
-    assert by_start[0] == by_start[1] and by_start[2] == by_start[3], by_start  # Tune alone: A, B, A, B
+    assert by_start[0] == by_start[1] and by_start[2] == by_start[3], by_start  # alone: A, B, A, B
     spans = [(r.metrics["start"], r.metrics["end"]) for r in results]
     assert max(sum(s <= t < e for s, e in spans) for t, _ in spans) <= 2, spans  # the limit still holds
 

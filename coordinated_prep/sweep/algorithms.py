@@ -199,14 +199,16 @@ class SearchSpec:
     the search space holds ``grid`` keys and constants, so that nothing is left to chance.
     ``optuna`` (Optuna's TPE sampler) and ``hyperopt`` (TPE) suggest each config from the results so
     far; they need their extra and take no ``grid`` keys. ``seed`` makes the suggestions repeatable.
-    ``order``: ``group`` (default) runs a ``random`` or ``grid`` sweep's trials data group by data
-    group, so that trials sharing a group run together; ``tune`` keeps Tune's order
-    (:class:`~coordinated_prep.CoordinatedSearcher`).
+    ``order``: ``group`` (default) runs the trials data group by data group, so that trials sharing a
+    group run together; ``tune`` keeps the searcher's order (:class:`~coordinated_prep.CoordinatedSearcher`).
+    ``window``: most suggestions held back to reorder (default 32 for ``random`` and ``grid``, 4 for
+    ``optuna`` and ``hyperopt``, which suggest each one ahead from the results so far; 1: none).
     """
 
     type: Literal["random", "grid", "optuna", "hyperopt"] = "random"
     seed: int | None = None
     order: Literal["group", "tune"] = "group"
+    window: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.type, str) or self.type not in SEARCH_MODULES:
@@ -216,6 +218,8 @@ class SearchSpec:
         if self.order not in ("group", "tune"):
             raise ConfigError(f"search.order={self.order!r} must be 'group' (a data group's trials run together) "
                               "or 'tune' (Tune's own order)")
+        if self.window is not None and (not is_int(self.window) or self.window < 1):
+            raise ConfigError(f"search.window={self.window!r} must be an integer >= 1 (1: no look-ahead), or left out")
         require_extra(self.type, SEARCH_MODULES[self.type], f"search.type={self.type}")
 
     def check_space(self, space: Mapping[str, Any]) -> None:
@@ -265,7 +269,7 @@ def parse_scheduler(value: Any) -> SchedulerSpec:
 
 def parse_search(value: Any) -> SearchSpec:
     """The ``search:`` mapping as a SearchSpec."""
-    check_keys(value, ("type", "seed", "order"), "search")
+    check_keys(value, ("type", "seed", "order", "window"), "search")
     return SearchSpec(**value)
 
 

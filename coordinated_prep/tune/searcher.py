@@ -21,8 +21,9 @@ from coordinated_prep.pool import warm
 from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.stream.registry import RegistryActor
 from coordinated_prep.tune.groups import group_of
-from coordinated_prep.tune.order import DEFAULT_WINDOW, GroupOrder
+from coordinated_prep.tune.order import GroupOrder
 from coordinated_prep.tune.results import save_atomically, write_reports
+from coordinated_prep.tune.wrapping import limit, wrap
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +48,13 @@ class CoordinatedSearcher(SearchAlgorithm):
     driver) starts or finds the registry before its restored trials run. One CoordinatedSearcher
     per driver process runs at a time.
 
-    With Tune's own grid and random variants (``searcher=None`` or a ``BasicVariantGenerator``,
-    whose ``max_concurrent`` it then applies itself), it also chooses *when* each
-    suggested trial runs, so that a data group's trials run together: it pulls up to
-    :data:`~coordinated_prep.tune.order.DEFAULT_WINDOW` suggestions ahead and releases first those
-    whose group has a trial running (Tune's grid order A, B, A, B runs as A, A, B, B). Which configs
-    are tried never changes, and no suggestion waits more than a written bound
-    (:mod:`coordinated_prep.tune.order`). A searcher passed in keeps its own order.
+    It also chooses *when* each suggested trial runs, so that a data group's trials run together: it
+    holds a window of suggestions and releases first those whose group has a trial running (Tune's
+    grid order A, B, A, B runs as A, A, B, B). The window is 32 suggestions of Tune's grid and random
+    variants, and a bounded look-ahead of 4 for a model-based Searcher (Optuna, HyperOpt); this
+    searcher then applies ``max_concurrent`` around the window (:mod:`coordinated_prep.tune.wrapping`).
+    Which configs are tried never changes, and no suggestion waits more than a written bound
+    (:mod:`coordinated_prep.tune.order`). Another SearchAlgorithm keeps its own order.
 
     Args:
         searcher: A Tune ``Searcher`` (e.g. OptunaSearch) or ``SearchAlgorithm``; default is Tune's
@@ -64,13 +65,15 @@ class CoordinatedSearcher(SearchAlgorithm):
             shared by every data group of the sweep; None (default): samples are read from storage.
         pool: The prep pool and staging budget of every node (a :class:`PoolSpec` or a mapping of
             its fields); default ``PoolSpec()``: one prep actor per CPU reserving half the CPUs.
-        order: ``"group"`` (default): Tune's grid and random variants run group by group, as above;
-            ``"tune"``: in Tune's own order.
+        order: ``"group"`` (default): trials run group by group, as above; ``"tune"``: in the
+            search algorithm's own order.
+        window: Most suggestions held back (None: 32 for Tune's variants, 4 for a Searcher; 1: none).
     """
 
     def __init__(self, searcher: Searcher | SearchAlgorithm | None = None, *, max_concurrent: int = 0,
                  cache: CacheSpec | Mapping[str, Any] | None = None,
-                 pool: PoolSpec | Mapping[str, Any] | None = None, order: str = "group") -> None:
+                 pool: PoolSpec | Mapping[str, Any] | None = None, order: str = "group",
+                 window: int | None = None) -> None:
         if order not in ("group", "tune"):
             raise ConfigError(f"CoordinatedSearcher: order={order!r} must be 'group' (a data group's trials run "
                               "together) or 'tune' (Tune's own order)")
@@ -88,36 +91,19 @@ class CoordinatedSearcher(SearchAlgorithm):
             raise ConfigError(f"CoordinatedSearcher: pool={pool!r} must be a PoolSpec, a mapping or None, "
                               "e.g. pool=PoolSpec(actors=4, cpus=2)")
         self._pool = pool or PoolSpec()
-        # Looking ahead of Tune's variant generation (grid, random) changes nothing but the order, so
-        # this searcher applies its concurrency limit itself and pulls ahead. A model-based searcher
-        # asked ahead would suggest from fewer results: its suggestions go out as they come.
-        self._lookahead = searcher is None or isinstance(searcher, BasicVariantGenerator)
-        window = DEFAULT_WINDOW if self._lookahead and order == "group" else 1
-        self._order = GroupOrder(window=window, key=operator.attrgetter("trial_id"))
+        wrapped = wrap(searcher, max_concurrent, order, window)
+        self._inner, self._base, self._max_concurrent = wrapped.inner, wrapped.base, wrapped.max_concurrent
+        self._lookahead = wrapped.ahead  # holds suggestions back and limits running trials itself
+        self._order = GroupOrder(window=wrapped.window, key=operator.attrgetter("trial_id"))
         self._resolvers: Any = None  # tune.run's placeholder resolvers, read when it calls set_search_properties
-        if searcher is None:
-            inner: SearchAlgorithm = BasicVariantGenerator()
-        elif isinstance(searcher, Searcher):
-            limited = ConcurrencyLimiter(searcher, max_concurrent) if max_concurrent else searcher
-            inner = SearchGenerator(limited)
-        elif isinstance(searcher, SearchAlgorithm):
-            if max_concurrent:
-                raise ConfigError("CoordinatedSearcher: set max_concurrent on the SearchAlgorithm you pass, not here")
-            inner = searcher
-        else:
-            raise ConfigError(f"CoordinatedSearcher: searcher={searcher!r} is not a Tune Searcher or SearchAlgorithm")
-        if isinstance(searcher, BasicVariantGenerator):  # its limit is applied here, around the look-ahead
-            max_concurrent, searcher.max_concurrent = searcher.max_concurrent, 0
-        self._inner = inner
-        self._max_concurrent = max_concurrent
         self._objective: tuple[str | None, str | None] = (None, None)  # Tune's metric and mode
         # Tune lets only ONE trial be pending at a time for a SearchAlgorithm that is not a
         # BasicVariantGenerator, unless it finds a ConcurrencyLimiter along `search_alg.searcher`
         # (tune_controller._get_max_pending_trials): trials would start one by one, about a second
         # apart, and short trials would miss each other. So a limiter is always on that chain; when
         # Tune's own generator does the searching, it is a marker that only carries the number.
-        self.searcher = getattr(inner, "searcher", None) or ConcurrencyLimiter(
-            Searcher(), max_concurrent=max_concurrent or _PENDING_WITHOUT_LIMIT)
+        self.searcher = getattr(self._inner, "searcher", None) or ConcurrencyLimiter(
+            Searcher(), max_concurrent=self._max_concurrent or _PENDING_WITHOUT_LIMIT)
         self._registry: Any = None
         self._lent: dict[str, list[Any]] = {}  # per node, prep actors kept warm and lent to the registry
         self.session: str | None = None  # the Ray job id naming the registry, once started
@@ -160,11 +146,12 @@ class CoordinatedSearcher(SearchAlgorithm):
         if self._max_concurrent and self._max_concurrent != n:
             raise ConfigError(f"max_concurrent_trials={n} (TuneConfig) and CoordinatedSearcher(max_concurrent="
                               f"{self._max_concurrent}) disagree; set one of them")
-        if self._lookahead:  # applied in next_trial
-            self.searcher.max_concurrent = n  # the marker Tune sizes its pending trials by
-        elif isinstance(self._inner, SearchGenerator):
+        if isinstance(self._inner, SearchGenerator):  # limited around the window (coordinated_prep.tune.wrapping)
             if not self._max_concurrent:
-                self._inner.searcher = self.searcher = ConcurrencyLimiter(self._inner.searcher, n)
+                base = getattr(self, "_base", None) or self._inner.searcher
+                self.searcher = limit(self._inner, base, n, self._order.window)
+        elif self._lookahead:  # Tune's variants: applied in next_trial
+            self.searcher.max_concurrent = n  # the marker Tune sizes its pending trials by
         else:
             raise ConfigError(f"max_concurrent_trials={n}: Tune cannot limit the {type(self._inner).__name__} "
                               "wrapped by the CoordinatedSearcher; set its own limit and leave max_concurrent_trials "
@@ -183,6 +170,10 @@ class CoordinatedSearcher(SearchAlgorithm):
         # values (a DataSpec) behind placeholders until the trial is added, so each trial finds its
         # group later, itself, through the registry.
         self._ensure_registry()
+        return self._release()
+
+    def _release(self):
+        """The next suggestion by the group order, or None (the limit is reached, or none comes)."""
         if self._lookahead and self._max_concurrent and self._order.running() >= self._max_concurrent:
             return None
         self._pull()
@@ -213,7 +204,9 @@ class CoordinatedSearcher(SearchAlgorithm):
         return self._inner.is_finished() and not len(self._order)
 
     def set_finished(self) -> None:
-        self._order.clear()  # held back, never given to Tune: the sweep ends without them
+        for trial, _, _ in self._order.waiting():  # held back, never given to Tune: the sweep ends without them
+            self._inner.on_trial_complete(trial.trial_id, error=True)
+        self._order.clear()
         self._inner.set_finished()
 
     def has_checkpoint(self, dirpath: str) -> bool:
