@@ -237,8 +237,10 @@ def test_a_sequential_searchers_suggestions_run_group_by_group_within_a_bounded_
     assert len(full) == 7 and len(mixed) == 1, pairs  # one group's pairs, then the other's: one hand-over
     assert sorted(inner.made) == sorted(set(inner.made)) and len(inner.made) == 8, "each config suggested once"
     assert sorted({i for p in pairs for i in p}) == list(range(8)), "and each released"
-    # Never asked more than the window ahead of the trials that run (the bound on its lost information).
+    # Never asked more than the window ahead of the trials that run (the bound on its lost information),
+    # and no suggestion waits past the order's bound, which the window sets too.
     assert inner.most_out <= 2 + SEARCHER_WINDOW - 1
+    assert CoordinatedSearcher(_Sequential([]))._order.bound == 2 * SEARCHER_WINDOW - 1
 
     # Its own order, as before: the two running trials are of different groups.
     inner = _Sequential(specs)

@@ -94,7 +94,7 @@ class CoordinatedSearcher(SearchAlgorithm):
         wrapped = wrap(searcher, max_concurrent, order, window)
         self._inner, self._base, self._max_concurrent = wrapped.inner, wrapped.base, wrapped.max_concurrent
         self._lookahead = wrapped.ahead  # holds suggestions back and limits running trials itself
-        self._order = GroupOrder(window=wrapped.window, key=operator.attrgetter("trial_id"))
+        self._order = GroupOrder(window=wrapped.window, patience=wrapped.window, key=operator.attrgetter("trial_id"))
         self._resolvers: Any = None  # tune.run's placeholder resolvers, read when it calls set_search_properties
         self._objective: tuple[str | None, str | None] = (None, None)  # Tune's metric and mode
         # Tune lets only ONE trial be pending at a time for a SearchAlgorithm that is not a
