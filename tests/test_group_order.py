@@ -265,3 +265,42 @@ def test_a_searchers_look_ahead_and_limit_are_checked_and_a_limiter_passed_in_is
     with pytest.raises(ConfigError, match="keeps its own order"):
         CoordinatedSearcher(SearchGenerator(_Sequential([])), window=4)
     assert CoordinatedSearcher(BasicVariantGenerator(max_concurrent=2))._max_concurrent == 2
+
+
+def test_a_searchers_suggestions_held_back_are_saved_with_tunes_checkpoint_and_restored(tmp_path):
+    """Optuna's held-back suggestions are in its study as running trials and in this searcher's
+    window: a resumed sweep releases each of them once, and Optuna takes their results."""
+    from ray import tune
+    from ray.tune.search.optuna import OptunaSearch
+
+    from coordinated_prep import CoordinatedSearcher
+
+    def searcher():
+        s = CoordinatedSearcher(OptunaSearch(seed=3), max_concurrent=2)
+        s.set_search_properties("accuracy", "max", {"lr": tune.loguniform(0.01, 0.1)})
+        s.add_configurations({"sweep": {"run": "coordprep_ahead_test", "config": {"lr": tune.loguniform(0.01, 0.1)},
+                                        "num_samples": 8}})
+        return s
+
+    tune.register_trainable("coordprep_ahead_test", tune.with_resources(lambda config: None, {"cpu": 0.5}))
+    first = searcher()
+    released = [first._release(), first._release()]
+    assert first._release() is None, "two run at once"
+    held = [t.config["lr"] for t, _, _ in first._order.waiting()]
+    assert len(held) == 3, "a window of 4, one released after each fill"
+    first.save_to_dir(str(tmp_path), session_str="s")
+
+    again = searcher()  # as Tuner.restore does, less the registry (restore_from_dir starts it)
+    again._inner.restore_from_dir(str(tmp_path))
+    again._restore_order(str(tmp_path))
+    assert [t.config["lr"] for t, _, _ in again._order.waiting()] == held
+    running, rest = [t.trial_id for t in released], []
+    while not again.is_finished():
+        trial = again._release()
+        if trial is None:
+            again.on_trial_complete(running.pop(0), result={"accuracy": 0.5})
+            continue
+        running.append(trial.trial_id)
+        rest.append(trial.config["lr"])
+    assert rest[:3] == held and len(rest) == 6, "the held ones first (oldest), then the rest of 8"
+    assert len({t.config["lr"] for t in released} | set(rest)) == 8, "no config lost or run twice"
