@@ -177,30 +177,28 @@ def test_suggestions_held_back_are_saved_with_tunes_checkpoint_and_restored(tmp_
 
 # -- a model-based searcher's bounded look-ahead ----------------------------------------------------
 
-class _Sequential:
+def _sequential(specs):
     """A stand-in for a model-based Tune Searcher: suggests configs of data groups in a fixed order,
     and counts the suggestions it has out (suggested, not yet complete)."""
+    from ray.tune.search import Searcher
 
-    def __new__(cls, specs):
-        from ray.tune.search import Searcher
+    class Sequential(Searcher):
+        def __init__(self):
+            super().__init__(metric="accuracy", mode="max")
+            self.specs, self.made, self.out, self.most_out = list(specs), [], set(), 0
 
-        class Sequential(Searcher):
-            def __init__(self):
-                super().__init__(metric="accuracy", mode="max")
-                self.specs, self.made, self.out, self.most_out = list(specs), [], set(), 0
+        def suggest(self, trial_id):
+            if len(self.made) == len(self.specs):
+                return Searcher.FINISHED
+            self.made.append(trial_id)
+            self.out.add(trial_id)
+            self.most_out = max(self.most_out, len(self.out))
+            return {"data": self.specs[len(self.made) - 1], "i": len(self.made) - 1}
 
-            def suggest(self, trial_id):
-                if len(self.made) == len(self.specs):
-                    return Searcher.FINISHED
-                self.made.append(trial_id)
-                self.out.add(trial_id)
-                self.most_out = max(self.most_out, len(self.out))
-                return {"data": self.specs[len(self.made) - 1], "i": len(self.made) - 1}
+        def on_trial_complete(self, trial_id, result=None, error=False):
+            self.out.discard(trial_id)
 
-            def on_trial_complete(self, trial_id, result=None, error=False):
-                self.out.discard(trial_id)
-
-        return Sequential()
+    return Sequential()
 
 
 def _drive(searcher, limit: int) -> list[list[int]]:
@@ -230,7 +228,7 @@ def test_a_sequential_searchers_suggestions_run_group_by_group_within_a_bounded_
     specs = [a, b] * 4  # the searcher suggests A, B, A, B, ...
     group = {i: ("A" if i % 2 == 0 else "B") for i in range(8)}
 
-    inner = _Sequential(specs)
+    inner = _sequential(specs)
     pairs = _drive(CoordinatedSearcher(inner, max_concurrent=2), limit=2)
     full = [p for p in pairs if len(p) == 2]
     mixed = [p for p in full if group[p[0]] != group[p[1]]]
@@ -240,10 +238,10 @@ def test_a_sequential_searchers_suggestions_run_group_by_group_within_a_bounded_
     # Never asked more than the window ahead of the trials that run (the bound on its lost information),
     # and no suggestion waits past the order's bound, which the window sets too.
     assert inner.most_out <= 2 + SEARCHER_WINDOW - 1
-    assert CoordinatedSearcher(_Sequential([]))._order.bound == 2 * SEARCHER_WINDOW - 1
+    assert CoordinatedSearcher(_sequential([]))._order.bound == 2 * SEARCHER_WINDOW - 1
 
     # Its own order, as before: the two running trials are of different groups.
-    inner = _Sequential(specs)
+    inner = _sequential(specs)
     pairs = _drive(CoordinatedSearcher(inner, max_concurrent=2, order="tune"), limit=2)
     assert all(group[i] != group[j] for i, j in (p for p in pairs if len(p) == 2)), pairs
     assert inner.most_out <= 2
@@ -256,14 +254,14 @@ def test_a_searchers_look_ahead_and_limit_are_checked_and_a_limiter_passed_in_is
 
     from coordinated_prep import ConfigError, CoordinatedSearcher
 
-    searcher = CoordinatedSearcher(ConcurrencyLimiter(_Sequential([]), 3), window=2)
+    searcher = CoordinatedSearcher(ConcurrencyLimiter(_sequential([]), 3), window=2)
     assert searcher._max_concurrent == 3 and searcher.searcher.max_concurrent == 3 + 2 - 1
     with pytest.raises(ConfigError, match="max_concurrent=2 and the ConcurrencyLimiter's max_concurrent=3"):
-        CoordinatedSearcher(ConcurrencyLimiter(_Sequential([]), 3), max_concurrent=2)
+        CoordinatedSearcher(ConcurrencyLimiter(_sequential([]), 3), max_concurrent=2)
     with pytest.raises(ConfigError, match="window=0 must be an integer >= 1"):
         CoordinatedSearcher(window=0)
     with pytest.raises(ConfigError, match="keeps its own order"):
-        CoordinatedSearcher(SearchGenerator(_Sequential([])), window=4)
+        CoordinatedSearcher(SearchGenerator(_sequential([])), window=4)
     assert CoordinatedSearcher(BasicVariantGenerator(max_concurrent=2))._max_concurrent == 2
 
 

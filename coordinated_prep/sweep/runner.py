@@ -191,8 +191,8 @@ def _search_algorithm(cfg: SweepConfig) -> tuple[Any, CoordinatedSearcher | None
     limit = 0 if isinstance(algorithm, SearchAlgorithm) else cfg.max_concurrent_trials
     if not cfg.data.coordinated:  # nothing to coordinate: Tune's searcher alone, no prep pool
         return (ConcurrencyLimiter(algorithm, limit) if limit else algorithm), None
-    searcher = CoordinatedSearcher(algorithm, max_concurrent=limit, cache=cfg.cache, pool=cfg.pool, order=cfg.search.order,
-                                   window=cfg.search.window)
+    searcher = CoordinatedSearcher(algorithm, max_concurrent=limit, cache=cfg.cache, pool=cfg.pool,
+                                   order=cfg.search.order, window=cfg.search.window)
     return searcher, searcher
 
 

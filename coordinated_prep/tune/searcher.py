@@ -11,7 +11,7 @@ from typing import Any, Dict, Mapping, Optional
 import ray
 from ray import cloudpickle
 from ray.tune import PlacementGroupFactory
-from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter, SearchAlgorithm, Searcher, SearchGenerator
+from ray.tune.search import ConcurrencyLimiter, SearchAlgorithm, Searcher, SearchGenerator
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from coordinated_prep.cache.spec import CacheSpec

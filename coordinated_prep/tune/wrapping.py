@@ -8,8 +8,8 @@ hold back (its window, :mod:`coordinated_prep.tune.order`), and who limits how m
   results so far, as if that many more trials ran at once. The window is therefore small,
   :data:`SEARCHER_WINDOW` (a bounded look-ahead). Trials that run at once are limited around the
   window. The searcher itself is limited to ``max_concurrent + window - 1`` suggestions in flight
-  (:func:`limit`), so it is never asked more than ``window - 1`` ahead of the trials that run. A ``ConcurrencyLimiter``
-  passed in is unwrapped, and its limit is applied the same way.
+  (:func:`limit`), so it is never asked more than ``window - 1`` ahead of the trials that run. A
+  ``ConcurrencyLimiter`` passed in is unwrapped, and its limit is applied the same way.
 - **Another SearchAlgorithm**: only it knows its order and its limit. Its suggestions go out as
   they come (window 1).
 
@@ -31,7 +31,7 @@ from coordinated_prep.tune.order import DEFAULT_WINDOW
 SEARCHER_WINDOW = 4
 
 
-@dataclass
+@dataclass(frozen=True)
 class Wrapped:
     """The inner search algorithm and how the CoordinatedSearcher drives it.
 
