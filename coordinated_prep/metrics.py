@@ -27,6 +27,7 @@ metrics export port (Ray adds its ``ray_`` prefix there; counters gain ``_total`
 | ``coordprep_decoded_hits`` | counter | node | decoded tier: samples served from kept prefix outputs |
 | ``coordprep_decoded_bytes`` | gauge | node | decoded tier: bytes kept |
 | ``coordprep_decoded_capacity_bytes`` | gauge | node | decoded tier |
+| ``coordprep_prep_actors`` | gauge | node | registry: the node's prep actors now (a pool sized by demand grows) |
 | ``coordprep_eval_samples_prepared`` | counter | pipeline | registry: held-out samples its prep pools prepared |
 | ``coordprep_eval_samples_served`` | counter | pipeline | registry: held-out samples handed to trials' evaluations |
 
@@ -78,6 +79,8 @@ DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
                      ("node",)),
     "decoded_bytes": ("gauge", "Bytes of prefix outputs the node's decoded tier keeps", ("node",)),
     "decoded_capacity_bytes": ("gauge", "The node's decoded tier's budget", ("node",)),
+    "prep_actors": ("gauge", "Prep actors of the node's pool now (a pool sized by demand grows while trials wait)",
+                    ("node",)),
     "eval_samples_prepared": ("counter", "Held-out samples prepared for evaluation (once per pipeline when "
                               "resident)", ("pipeline",)),
     "eval_samples_served": ("counter", "Held-out samples handed to trials' evaluations", ("pipeline",)),

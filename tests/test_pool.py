@@ -1,4 +1,5 @@
-"""The node pool's options and the pure split of a node's staging budget among its groups."""
+"""The node pool's options, the pure split of a node's staging budget among its groups, and the pure
+rule by which a pool sized by demand grows (:mod:`coordinated_prep.pool.elastic`)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from hypothesis import strategies as st
 
 from coordinated_prep import ConfigError
 from coordinated_prep.pool import PoolSpec, split_budget
+from coordinated_prep.pool.elastic import PATIENCE, THRESHOLD, Growth
 
 
-def test_defaults_are_one_actor_per_cpu_reserving_half_and_a_quarter_of_the_store():
+def test_defaults_are_one_actor_per_cpu_at_most_reserving_half_and_a_quarter_of_the_store():
     spec = PoolSpec()
+    assert spec.grows and not PoolSpec(actors=2).grows, "unset actors: sized by demand; a number: fixed"
     assert spec.actors_for(8) == 8 and spec.cpus_for(8) == 4 and spec.budget_for(1000) == 250
     assert spec.actors_for(0.5) == 1, "a node with less than a CPU still gets an actor"
     assert PoolSpec(actors=3, cpus=0, staging_bytes="1KiB").budget_for(10**9) == 1024
@@ -52,3 +55,46 @@ def test_shares_never_exceed_the_budget_or_a_cap_and_leave_nothing_idle(total, c
     uncapped = [k for k, c in caps.items() if c is None or shares[k] < c]
     if uncapped:  # what the capped groups leave goes to the others, up to rounding
         assert total - sum(shares.values()) < len(caps)
+
+
+def test_a_pool_grows_only_after_the_trials_waited_patience_ticks_in_a_row():
+    growth = Growth(most=2)
+    busy = THRESHOLD * 2.0  # the least wait that counts, over a tick of 2 s
+    for _ in range(PATIENCE - 1):
+        assert not growth.tick(busy, 2.0, 0.0)
+    assert not growth.tick(busy * 0.99, 2.0, 0.0), "one quiet tick (the sweep's first pieces) starts the count again"
+    for _ in range(PATIENCE - 1):
+        assert not growth.tick(busy, 2.0, 0.0)
+    assert growth.tick(busy, 2.0, 7.5) and growth.starting
+    assert not growth.tick(10.0, 2.0, 8.0), "one actor starts at a time"
+    growth.started(True, 12.0)
+    assert growth.actors == 2 and not growth.tick(10.0, 2.0, 14.0), "never above its most"
+    assert [d[1] for d in growth.report()["decisions"]] == ["grow", "added"]
+    with pytest.raises(ValueError):
+        Growth(most=2, actors=3)
+
+
+@given(steps=st.lists(st.tuples(st.floats(0.0, 8.0), st.booleans()), max_size=60), most=st.integers(1, 6))
+def test_growth_is_safe_after_every_step_and_serves_waiting_trials_within_its_patience(steps, most):
+    """Safety after each step of a random schedule (waits per tick; each actor asked for starts or
+    is given up), then liveness: from the state reached, ticks in which the trials keep waiting ask
+    for an actor within ``PATIENCE`` ticks, with no other party acting, until the pool is at its most."""
+    growth = Growth(most=most)
+    quiet_run = 0  # ticks since the last one below the threshold
+    for waited, ok in steps:
+        was = growth.actors
+        asked = growth.tick(waited, 2.0, 0.0)
+        quiet_run = quiet_run + 1 if waited >= THRESHOLD * 2.0 else 0
+        assert not asked or quiet_run >= PATIENCE, "grew without the trials waiting patience ticks in a row"
+        if asked:
+            quiet_run = 0
+            growth.started(ok, 0.0, "" if ok else "no CPU")
+        assert 1 <= growth.actors <= most and growth.actors - was <= 1 and not growth.starting
+        assert len(growth.report()["decisions"]) <= 16
+    while growth.actors < most:
+        ticks = 1
+        while not growth.tick(8.0, 2.0, 0.0):
+            ticks += 1
+            assert ticks <= PATIENCE, "trials waiting every tick were not served within the patience"
+        growth.started(True, 0.0)
+    assert not growth.tick(8.0, 2.0, 0.0)

@@ -14,7 +14,7 @@ from coordinated_prep.errors import ConfigError
 from coordinated_prep.pipeline.sources import open_source
 from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled
 from tests.harness import check_trial_records as _check_trial
-from tests.harness import sample_digests
+from tests.harness import assert_exactly_once, reference_digests, sample_digests, train_ids
 from tests.recording import load_records, record
 
 EPOCHS = 3
@@ -248,3 +248,27 @@ def test_the_dali_backend_shares_exact_epochs(ray_session, small_dataset, tmp_pa
     for t in analysis.trials:  # bytes equal to what the DALI pipeline makes of each sample here
         _check_trial(spec, records[t.trial_id], t.config["batch_size"], t.trial_id)
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
+
+
+def test_a_pool_sized_by_demand_starts_with_one_actor_and_grows_while_the_trial_waits(ray_session, tmp_path):
+    """A pool left to size itself starts one prep actor; a trial that reads as fast as it can (no
+    compute step) waits for it, so the pool grows to its most (one per CPU: 2 here), the decision is
+    in its report, and the epochs stay exact, with the unshared bytes from either actor."""
+    spec = DataSpec(dataset="builtin:photos", pipeline={"size": 224}, seed=3, chunk_size=64)
+    searcher = CoordinatedSearcher()
+    searcher.start()
+    [started] = searcher.pool_reports().values()
+    assert started["prep_actors"] == 1 and started["growth"]["most_actors"] == 2, started
+    analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0,
+                        config={"data": spec, "batch_size": 64, "epochs": 2, "out": str(tmp_path)})
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    [pool] = searcher.pool_reports().values()
+    searcher.close()
+    assert pool["prep_actors"] == 2 and pool["growth"]["grown"] == 1, pool
+    assert [what for _, what, _ in pool["growth"]["decisions"]] == ["grow", "added"], pool
+    [epochs] = load_records(str(tmp_path)).values()
+    assert_exactly_once([e["indices"] for e in epochs], train_ids(spec))
+    last = epochs[-1]  # its pieces came from both actors: the bytes of the unshared pipeline
+    picked = np.arange(0, len(last["indices"]), 97)
+    assert np.array_equal(last["digests"][picked],
+                          reference_digests(spec, last["stream_epochs"][picked], last["indices"][picked]))

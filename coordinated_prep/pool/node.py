@@ -9,7 +9,10 @@ driver (kept warm from its previous sweep, :mod:`coordinated_prep.pool.warm`): t
 those; the pool hands them this sweep's cache and tier when it starts and never kills them.
 Coordinators hold handles and submit pieces to them, and own the pieces they get back. The pool
 starts before the first trial is placed: its actors reserve their CPUs before Tune's trials can
-take them, and have imported torch by the time the first piece is asked for (a warm start).
+take them, and have imported torch by the time the first piece is asked for (a warm start). A pool
+left to size itself (``PoolSpec(actors=None)``, not lent) starts one actor and grows while the
+trials wait for it (:mod:`coordinated_prep.pool.elastic`); the registry adds each new actor to the
+pool and to every coordinator of the node.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from coordinated_prep.cache.layout import CacheLayout
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import PrepError
+from coordinated_prep.pool.elastic import Growth
 from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.pool.prep_actor import PrepActor
 from coordinated_prep.tier.actor import DecodedTier
@@ -58,37 +62,73 @@ class NodePool:
                  cache: tuple[CacheLayout, CacheSpec] | None, lent: list[Any] | None = None) -> None:
         self.node = node
         self.spec = spec
-        n, each = spec.shape_for(cpus)
-        self.reserved_cpus = n * each
+        most, self.each = spec.shape_for(cpus)
+        # Sized by demand: one actor to start with, up to ``most`` (a lent pool is the driver's, as it is).
+        self.growth = Growth(most) if spec.grows and not lent and most > 1 else None
+        n = 1 if self.growth is not None else most
         self.budget_bytes = spec.budget_for(store_bytes)
         self.decoded_bytes = spec.decoded_for(store_bytes)
-        affinity = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+        affinity = self._affinity = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
         self.tier: Any = None
         if self.decoded_bytes > 0:
             self.tier = DecodedTier.options(scheduling_strategy=affinity).remote(self.decoded_bytes, node,
                                                                                  CLAIM_TIMEOUT_S)
-        tier = (self.tier, CLAIM_TIMEOUT_S) if self.tier is not None else None
+        tier = self._handed = (self.tier, CLAIM_TIMEOUT_S) if self.tier is not None else None
+        self._cache = cache
+        self.starting: Any = None  # an actor asked for by the growth, until it is added or given up
         self.lent = bool(lent)
         if lent:  # warm: this sweep's cache and tier, and nothing of the last sweep's kept
             self.actors: list[Any] = list(lent)
             self._started = [a.reset.remote(cache, tier) for a in self.actors]
         else:
-            self.actors = [PrepActor.options(num_cpus=each, scheduling_strategy=affinity).remote(cache, tier)
-                           for _ in range(n)]
+            self.actors = [self._new_actor() for _ in range(n)]
             self._started = [a.__ray_ready__.remote() for a in self.actors]
-        logger.info("node %s: prep pool of %d actors reserving %.2f CPUs, staging budget %d bytes, decoded tier "
-                    "%d bytes", node, n, self.reserved_cpus, self.budget_bytes, self.decoded_bytes)
+        logger.info("node %s: prep pool of %d actors (at most %d) reserving %.2f CPUs each, staging budget %d bytes, "
+                    "decoded tier %d bytes", node, n, most, self.each, self.budget_bytes, self.decoded_bytes)
+
+    @property
+    def reserved_cpus(self) -> float:
+        """The logical CPUs the pool's live actors reserve."""
+        return len(self.actors) * self.each
+
+    def _new_actor(self) -> Any:
+        return PrepActor.options(num_cpus=self.each, scheduling_strategy=self._affinity).remote(self._cache,
+                                                                                               self._handed)
+
+    async def grow(self) -> bool:
+        """Start one more actor and add it once it can prepare (imported torch); True if it was added.
+
+        An actor that does not start within ``start_timeout_s`` (no CPU of the node came free) or
+        dies starting is killed and given up: the pool goes on with the actors it has.
+        """
+        self.starting = actor = self._new_actor()
+        try:
+            await asyncio.wait_for(actor.imported.remote(), self.spec.start_timeout_s)
+        except asyncio.CancelledError:  # the sweep ends while it starts
+            ray.kill(actor, no_restart=True)
+            raise
+        except (asyncio.TimeoutError, ray.exceptions.RayError) as e:
+            logger.info("node %s: a new prep actor did not start (%r); the pool keeps its %d", self.node, e,
+                        len(self.actors))
+            ray.kill(actor, no_restart=True)
+            return False
+        finally:
+            self.starting = None
+        self.actors.append(actor)
+        return True
 
     async def ready(self) -> None:
-        """Wait until every actor is placed and has imported what it needs.
+        """Wait until every actor is placed (it holds its CPUs); each imports torch meanwhile, and
+        its first piece waits for that (:class:`~coordinated_prep.pool.prep_actor.PrepActor`). The
+        decoded tier is not waited for: a prep actor's call waits for it, and one it cannot reach
+        only means decoding again.
 
         Raises:
             PrepError: The pool did not start within ``start_timeout_s`` or an actor died starting,
                 naming the node, the CPUs asked for and the fix.
         """
         try:
-            tier = [self.tier.__ray_ready__.remote()] if self.tier is not None else []
-            await asyncio.wait_for(asyncio.gather(*self._started, *tier), self.spec.start_timeout_s)
+            await asyncio.wait_for(asyncio.gather(*self._started), self.spec.start_timeout_s)
         except (asyncio.TimeoutError, ray.exceptions.RayError) as e:
             raise PrepError(
                 f"the prep pool of node {self.node} ({len(self.actors)} actors reserving {self.reserved_cpus:.2f} "
@@ -99,7 +139,7 @@ class NodePool:
     def kill(self) -> None:
         """Kill every actor (no restart) but lent ones, which the driver keeps or kills; pieces their
         coordinators own are unaffected."""
-        for actor in self.actors:
+        for actor in self.actors + ([self.starting] if self.starting is not None else []):
             if not self.lent:
                 ray.kill(actor, no_restart=True)
         if self.tier is not None:  # its kept objects are freed with it (it owns them)

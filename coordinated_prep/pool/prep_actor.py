@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from typing import Any
 
@@ -12,6 +13,7 @@ import ray
 from coordinated_prep.cache.layout import CacheLayout
 from coordinated_prep.cache.reader import CachedSource
 from coordinated_prep.cache.spec import CacheSpec
+from coordinated_prep.errors import PrepError
 from coordinated_prep.pipeline.chunk import ChunkTiming, PreparedChunk, eval_chunk, prepare_chunk
 from coordinated_prep.pipeline.probe import Probe, probe, train_indices
 from coordinated_prep.pipeline.sources import open_source
@@ -23,6 +25,7 @@ from coordinated_prep.spec import DataSpec
 from coordinated_prep.tier.client import TierClient
 
 _KEPT = 16  # pipelines kept open per actor (a sweep has a few)
+_IMPORT_TIMEOUT_S = 300.0  # importing torch and torchvision takes 5-10 s on 2 busy cores
 
 #: How a spec reaches a prep actor: ``[ref]``, a list holding its reference in the object store,
 #: so that Ray passes the reference, not the spec: the actor fetches a group's spec (and its
@@ -48,11 +51,12 @@ class PrepActor:
     """
 
     def __init__(self, cache: tuple[CacheLayout, CacheSpec] | None = None, tier: tuple[Any, float] | None = None) -> None:
-        import torch
-
-        import coordinated_prep.pipeline.backends.torchvision_backend  # noqa: F401  (now, not in the first piece)
-
-        torch.set_num_threads(1)  # one actor per core; and every preparation runs with one thread (seeding, rule 1)
+        # Placed, the actor holds its CPUs: it answers at once, so that the pool's start (which Tune's
+        # first trial waits for) does not wait for torch. It imports torch meanwhile, on a thread of
+        # its own, while the trials start; its first task waits for that (_imported).
+        self._importing = threading.Thread(target=_import_torch, name="coordprep-import", daemon=True)
+        self._importing.start()
+        self._threads_set = False
         self._buffer = ReusedBuffer()
         self.reset(cache, tier)
 
@@ -77,6 +81,7 @@ class PrepActor:
         """A group's start: (samples in the dataset, the layout and bytes of its training or
         held-out samples); refuses a transform that cannot be seeded
         (:mod:`coordinated_prep.pipeline.probe`)."""
+        self._imported()
         pipeline = self._pipeline(spec, [spec])
         n = len(pipeline)
         ids = train_indices(n, spec.holdout) if mode == "train" else holdout_split(n, spec.holdout)[1]
@@ -87,6 +92,7 @@ class PrepActor:
                 layout: Layout) -> tuple[ChunkTiming, PreparedChunk]:
         """Prepare one piece of group ``key``. Returns (timing, piece) as two objects: the
         coordinator awaits the small first one and never pulls the piece into its own process."""
+        self._imported()
         cpu = time.process_time()
         pipeline = self._pipeline(key, box)
         spec = self._specs[key]
@@ -121,11 +127,30 @@ class PrepActor:
             SampleError: With ``on_error="raise"``, a sample cannot be read or prepared; names the
                 index and where it lives.
         """
+        self._imported()
         pipeline = self._pipeline(key, box)
         spec = self._specs[key]
         skipped: list[tuple[int, str, str]] = []
         chunk = eval_chunk(pipeline, layout, spec.seed, indices, spec.on_error, skipped)
         return (tuple(skipped), piece_nbytes(chunk)), chunk
+
+    def imported(self) -> None:
+        """Return once the actor can prepare (its imports done): a pool that grows adds it then."""
+        self._imported()
+
+    def _imported(self) -> None:
+        """Wait (bounded) until the actor's imports are done, and prepare with one torch thread from
+        then on: one actor per core, and every preparation's bytes are a single thread's (seeding, rule 1)."""
+        if self._threads_set:
+            return
+        self._importing.join(_IMPORT_TIMEOUT_S)
+        if self._importing.is_alive():
+            raise PrepError(f"a prep actor did not import torch and torchvision within {_IMPORT_TIMEOUT_S:.0f} s; "
+                            "the node is overloaded: lower the trials' concurrency or pool.actors")
+        import torch
+
+        torch.set_num_threads(1)
+        self._threads_set = True
 
     def _pipeline(self, key: Any, box: SpecBox) -> Pipeline:
         """The pipeline of group ``key`` (a DataSpec itself for the start's probe), built once."""
@@ -155,6 +180,16 @@ class PrepActor:
             cached = CachedSource(source, dataset, *self._cache) if self._cache is not None else None
             self._sources[dataset] = (cached or source, cached)
         return self._sources[dataset]
+
+
+def _import_torch() -> None:
+    """What every preparation needs, imported ahead of the first piece (an error shows there again)."""
+    try:
+        import torch  # noqa: F401
+
+        import coordinated_prep.pipeline.backends.torchvision_backend  # noqa: F401
+    except Exception:  # the task that needs them imports them again and raises the error itself
+        pass
 
 
 def piece_nbytes(chunk: PreparedChunk) -> int:

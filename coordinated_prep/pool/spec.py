@@ -19,9 +19,13 @@ class PoolSpec:
     field over k values therefore costs no more prep processes or object-store bytes than one group.
 
     Args:
-        actors: Prep actors per node; ``None`` starts one per CPU of the node (each is single-threaded).
-        cpus: Logical CPUs the pool reserves per node from Ray's scheduler (spread over its actors), so
-            that Tune does not place trials on them; ``None`` reserves half the node's CPUs. ``0``
+        actors: Prep actors per node (each is single-threaded), fixed; ``None`` sizes the pool by
+            demand: it starts one actor and grows, up to one per CPU of the node, while the trials
+            wait for prepared data (:mod:`coordinated_prep.pool.elastic`; a pool lent by a
+            ``keep_warm`` driver keeps the size it was lent).
+        cpus: Logical CPUs the pool reserves per node from Ray's scheduler at its most (each actor
+            reserves ``cpus / most actors``), so that Tune does not place trials on them; ``None``:
+            half the node's CPUs. A pool sized by demand reserves only its live actors' share. ``0``
             reserves none (the actors then compete with the trials, unseen by the scheduler).
         staging_fraction: The node's staging budget as a fraction of its object store.
         staging_bytes: The node's staging budget in bytes (an integer or e.g. ``"512MiB"``);
@@ -88,8 +92,13 @@ class PoolSpec:
         if not isinstance(self.start_timeout_s, (int, float)) or self.start_timeout_s <= 0:
             raise ConfigError(f"pool.start_timeout_s={self.start_timeout_s!r} must be a positive number of seconds")
 
+    @property
+    def grows(self) -> bool:
+        """Whether a pool of this spec is sized by demand (``actors`` unset): it starts with one actor."""
+        return self.actors is None
+
     def actors_for(self, node_cpus: float) -> int:
-        """Prep actors on a node with ``node_cpus`` CPUs."""
+        """Prep actors on a node with ``node_cpus`` CPUs (the most, for a pool sized by demand)."""
         return self.actors or max(1, int(node_cpus))
 
     def cpus_for(self, node_cpus: float) -> float:

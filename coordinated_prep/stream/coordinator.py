@@ -144,7 +144,7 @@ class Coordinator(Producer):
             "samples_skipped": 0, "storage_reads": 0, "cache_hits": 0, "decodes": 0, "tier_hits": 0,
             "decodes_by_epoch": {}, "node": node_id,
             "released_dead": 0, "stall_s": 0.0, "pieces_passed": 0, "cohorts": 0, "ranks": {},
-            "starts": {},
+            "starts": {}, "pool_wait_s": 0.0,
         }
         self.group = spec.group_key
         metrics.set_gauge("staging_budget_bytes", budget_bytes, group=self.group)
@@ -235,8 +235,11 @@ class Coordinator(Producer):
                                            "chunk_size": self.plan.chunk_size, "name": self.name,
                                            "samples_per_epoch": self.plan.samples_per_epoch}}
 
-    async def fetch(self, trial: str, token: int, g: int, timeout_s: float) -> dict[str, Any]:
+    async def fetch(self, trial: str, token: int, g: int, timeout_s: float, waited_s: float = 0.0) -> dict[str, Any]:
         """Wait (at most ``timeout_s``) for piece ``g`` and hand ``trial`` (incarnation ``token``) a reference.
+
+        ``waited_s``: how long the trial was blocked on this group's answers since its last request
+        (what the pool's growth reads, :meth:`demand`).
 
         Returns ``{"status": "ok", "ref": ref}``: Ray passes the nested reference, not the data;
         the trial becomes a borrower and reads the piece zero-copy from the object store. Otherwise
@@ -244,6 +247,8 @@ class Coordinator(Producer):
         or ``"gone"`` (it left, re-joined since, or the group shut down). Neither is an error here:
         such answers usually belong to prefetches the trial will never read.
         """
+        if self.blocked_since is None:  # not while the budget is full (the lease's business): the pool's
+            self.stats["pool_wait_s"] += waited_s
         if self.evicted.get(trial) == token:
             return {"status": "evicted"}
         if self.closed or not self.buffer.is_current(trial, token):
@@ -329,6 +334,18 @@ class Coordinator(Producer):
         self.buffer.set_budget(budget_bytes)
         self.stats["budget_bytes"] = budget_bytes
         metrics.set_gauge("staging_budget_bytes", budget_bytes, group=self.group)
+        await self._notify()
+
+    async def demand(self) -> float:
+        """Seconds this group's trials have been blocked on its pieces so far, but while the budget was
+        full (the lease's business): what the node pool's growth reads (:mod:`coordinated_prep.pool.elastic`)."""
+        return self.stats["pool_wait_s"]
+
+    async def set_actors(self, actors: list[Any]) -> None:
+        """The node's prep actors, after the pool grew: pieces go to every one of them from now on."""
+        self.actors = list(actors)
+        self.max_in_flight = 2 * len(self.actors)
+        self.stats["prep_actors"] = len(self.actors)
         await self._notify()
 
     async def fingerprint(self) -> Fingerprint | None:

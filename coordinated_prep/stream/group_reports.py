@@ -52,8 +52,10 @@ class Reports:
         return {trial: stats for trial, (_, stats) in self._loaders.items()}
 
     async def pools(self) -> dict[str, dict[str, Any]]:
-        """Per node: prep actors, reserved CPUs, staging budget, and each live group's share of it."""
+        """Per node: prep actors (and, for a pool sized by demand, its growth: most actors, decisions),
+        reserved CPUs, staging budget, and each live group's share of it."""
         return {node: {"prep_actors": len(p.actors), "reserved_cpus": p.reserved_cpus, "budget_bytes": p.budget_bytes,
+                       "growth": p.growth.report() if p.growth is not None else None,
                        "eval_resident_bytes": self._eval_bytes(node),
                        "groups": {k: self._share(node, k, p) for k, g in self._groups.items() if g.node == node}}
                 for node, p in self._pools.items()}

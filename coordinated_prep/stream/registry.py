@@ -54,6 +54,7 @@ from coordinated_prep.errors import (
 from coordinated_prep.stream.eval_set import EvalSet
 from coordinated_prep.stream.evals import Evals
 from coordinated_prep.stream.group_reports import Reports, _merge
+from coordinated_prep.stream.growth import PoolGrowth
 from coordinated_prep.stream.indexes import Indexes, start_bound_s  # noqa: F401  (its old home)
 from coordinated_prep.naming import CALL_TIMEOUT_S, LIVENESS_TIMEOUT_S, NAMESPACE
 from coordinated_prep.pipeline.probe import PROBED
@@ -78,7 +79,7 @@ class _Group:
     actor: Any
 
 
-class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports):
+class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports, PoolGrowth):
     """Starts a prep pool on every node, and a group's coordinator on a node when the group's first
     trial there joins; destroys the coordinator when the last one there leaves.
 
@@ -109,6 +110,7 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports):
         self._cache_start: asyncio.Future | None = None  # start_caches, once
         self._pools: dict[str, NodePool] = {}
         self._starting: dict[str, asyncio.Task] = {}
+        self._growers: dict[str, asyncio.Task] = {}  # node -> its pool's growth tick, until shutdown
         self._groups: dict[str, _Group] = {}
         self._members: dict[str, set[str]] = {}  # group key -> its member trials (see the module docstring)
         self._trial_groups: dict[str, set[str]] = {}  # trial -> the keys of the groups it is a member of
@@ -252,6 +254,7 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports):
             await self._destroy(key, group)
         self._evals.clear()  # the resident evaluation pieces are freed with their references
         self._folder_indexes.clear()
+        await self._stop_growing()
         for pool in self._pools.values():
             pool.kill()
         self._pools.clear()
@@ -348,6 +351,7 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports):
             pool.kill()
             raise
         self._pools[node] = pool
+        self._start_growing(pool)
         return pool
 
     def _share(self, node: str, key: str, pool: NodePool) -> int:

@@ -77,7 +77,7 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1, resume: bool = False,
         if searcher is not None and (not resume or searcher.attach()):
             reports = {"groups": searcher.group_reports(), "caches": searcher.cache_reports(),
                        "evals": searcher.eval_reports(), "decoded": searcher.decoded_reports(),
-                       "loaders": searcher.loader_reports()}
+                       "loaders": searcher.loader_reports(), "pools": searcher.pool_reports()}
         elif searcher is not None:  # Tune's restored copy of the searcher wrote them at its last checkpoint
             reports = saved_reports(path)
     finally:
@@ -96,7 +96,8 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1, resume: bool = False,
                 row["status"] = "UNFINISHED"
                 unfinished[row["trial"]] = saved[row["trial"]]
     summary = build_summary(trials, reports.get("groups", {}), cfg.metric, cfg.mode, reports.get("caches"),
-                            reports.get("evals"), reports.get("decoded"), coordinated=searcher is not None)
+                            reports.get("evals"), reports.get("decoded"), coordinated=searcher is not None,
+                            pools=reports.get("pools"))
     summary["interrupted"] = bool(unfinished)
     if unfinished:
         logger.warning("the sweep was interrupted with %d trials unfinished (saved as %s); resume it with: "

@@ -13,9 +13,10 @@ _TRIAL_COLUMNS = ("trial", "status", "epochs", "metric", "stall_fraction", "batc
 def build_summary(trials: Sequence[Mapping[str, Any]], groups: Mapping[str, Mapping[str, Any]],
                   metric: str, mode: str, caches: Mapping[str, Mapping[str, Any]] | None = None,
                   evals: Mapping[str, Mapping[str, Any]] | None = None,
-                  decoded: Mapping[str, Mapping[str, Any]] | None = None, coordinated: bool = True) -> dict[str, Any]:
+                  decoded: Mapping[str, Mapping[str, Any]] | None = None, coordinated: bool = True,
+                  pools: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """Assemble the summary from per-trial rows and the searcher's reports (data groups, node caches,
-    evaluation sets, decoded tiers); ``coordinated``: whether the sweep ran a prep pool
+    evaluation sets, decoded tiers, node prep pools); ``coordinated``: whether the sweep ran a prep pool
     (``data.coordinated``)."""
     scored = sorted((t for t in trials if isinstance(t.get(metric), (int, float)) and not math.isnan(t[metric])),
                     key=lambda t: str(t.get("trial")))
@@ -34,7 +35,8 @@ def build_summary(trials: Sequence[Mapping[str, Any]], groups: Mapping[str, Mapp
         rows.append(dict(t, ranks=ranks) if ranks else t)  # the Ray Train workers that joined for the trial
     return {"metric": metric, "mode": mode, "coordinated": coordinated, "best_trial": best, "trials": rows,
             "groups": group_rows,
-            "caches": dict(caches or {}), "evaluation": dict(evals or {}), "decoded": dict(decoded or {})}
+            "caches": dict(caches or {}), "evaluation": dict(evals or {}), "decoded": dict(decoded or {}),
+            "pools": dict(pools or {})}
 
 
 def searched_data(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -117,6 +119,7 @@ def format_summary(summary: Mapping[str, Any]) -> str:
             [[key, e.get("samples"), f"{e.get('resident_pieces')}/{e.get('pieces')} pieces", e.get("evaluations"),
               e.get("samples_prepared"), e.get("samples_served")] for key, e in evals.items()],
         ))
+    lines.extend(pool_notes(summary.get("pools") or {}))
     tiers = summary.get("decoded") or {}
     if tiers:
         lines.append("")
@@ -148,6 +151,24 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         lines.append(f"Samples delivered by the caches: {hits}; storage reads: {cache_reads} by the caches, {past} "
                      f"by prep actors past them; hit rate {_num(rate, '{:.2f}')}")
     return "\n".join(lines)
+
+
+def pool_notes(pools: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """A line per node: its prep actors, and why a pool sized by demand grew (or did not)."""
+    lines = []
+    for node, p in pools.items():
+        growth = p.get("growth")
+        if growth is None:
+            lines.append(f"Prep pool on node {node[:12]}: {p.get('prep_actors')} actors, fixed "
+                         f"({_num(p.get('reserved_cpus'), '{:.2f}')} CPUs reserved).")
+            continue
+        why = "; ".join(f"{at} s {what}: {reason}" if reason else f"{at} s {what}"
+                        for at, what, reason in growth.get("decisions", []))
+        lines.append(f"Prep pool on node {node[:12]}: {p.get('prep_actors')} of at most {growth.get('most_actors')} "
+                     f"actors ({_num(p.get('reserved_cpus'), '{:.2f}')} CPUs reserved); "
+                     + (f"grew {growth.get('grown')} time(s): {why}" if why else
+                        "never grew: the trials did not wait for it"))
+    return lines
 
 
 def sharing_notes(groups: Mapping[str, Mapping[str, Any]]) -> list[str]:

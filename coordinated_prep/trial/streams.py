@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import time
 import weakref
 from typing import Any, Protocol
 
@@ -173,6 +174,7 @@ class SharedStream:
             prefetch = max(2, 2 * math.ceil(batch_size / info["chunk_size"]))
         self._prefetch = max(1, prefetch)
         self._pending: collections.deque[tuple[int, ray.ObjectRef]] = collections.deque()
+        self._blocked_s = 0.0  # blocked on answers since the last request: told to the coordinator with the next
         self._closed = False
         # A loader dropped without close() leaves its group when it is collected: one call sent, not
         # awaited (a finalizer may run anywhere, under any lock), and none at interpreter exit (the
@@ -283,7 +285,9 @@ class SharedStream:
             if self._next >= self._fence:
                 break
             g, self._next = self._next, self._next + 1
-            self._pending.append((g, self._coordinator.fetch.remote(self._trial, self._token, g, self._timeout)))
+            self._pending.append((g, self._coordinator.fetch.remote(self._trial, self._token, g, self._timeout,
+                                                                    self._blocked_s)))
+            self._blocked_s = 0.0
 
     def _answer(self) -> tuple[int, dict[str, Any] | None]:
         """The coordinator's answer for the next piece; None once this trial prepares its own."""
@@ -296,7 +300,9 @@ class SharedStream:
             raise PrepError(f"trial {self._trial}: read past the {self._end - self.start} pieces it declared "
                             "(train_loader's epochs); raise epochs or leave it unset")
         g, ref = self._pending.popleft()
+        asked = time.perf_counter()
         answer = self._call(ref, f"waiting for piece {g}", self._timeout + 30)
+        self._blocked_s += time.perf_counter() - asked
         if answer["status"] == "evicted":
             self._detach(g, ref)
             return g, None

@@ -64,7 +64,7 @@ class CoordinatedSearcher(SearchAlgorithm):
         cache: A raw-data cache on every node (a :class:`CacheSpec` or a mapping of its fields),
             shared by every data group of the sweep; None (default): samples are read from storage.
         pool: The prep pool and staging budget of every node (a :class:`PoolSpec` or a mapping of
-            its fields); default ``PoolSpec()``: one prep actor per CPU reserving half the CPUs.
+            its fields); default ``PoolSpec()``: one prep actor, growing to one per CPU (half the CPUs) while trials wait.
         order: ``"group"`` (default): trials run group by group, as above; ``"tune"``: in the
             search algorithm's own order.
         window: Most suggestions held back (None: 32 for Tune's variants, 4 for a Searcher; 1: none).
@@ -228,7 +228,7 @@ class CoordinatedSearcher(SearchAlgorithm):
         if self._registry is None:
             return
         names = {"groups": "reports", "caches": "cache_reports", "evals": "eval_reports", "decoded": "decoded_reports",
-                 "loaders": "loader_reports"}
+                 "loaders": "loader_reports", "pools": "pools"}
         refs = {key: getattr(self._registry, method).remote() for key, method in names.items()}
         try:  # one wait for all, short: this runs on Tune's controller thread
             answers = ray.get(list(refs.values()), timeout=_SAVE_TIMEOUT_S)

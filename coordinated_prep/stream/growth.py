@@ -1,0 +1,94 @@
+"""A node's prep pool grown by demand, at the registry: the tick that reads the trials' waits and
+adds actors (the rule is :mod:`coordinated_prep.pool.elastic`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import ray
+
+from coordinated_prep import metrics
+from coordinated_prep.naming import CALL_TIMEOUT_S
+from coordinated_prep.pool.elastic import TICK_S
+from coordinated_prep.pool.node import NodePool
+
+logger = logging.getLogger(__name__)
+
+
+class PoolGrowth:
+    """The registry's half for growing pools (:class:`~coordinated_prep.stream.registry.GroupRegistry`
+    inherits it).
+
+    It owns one tick task per node whose pool sizes itself (``_growers``), started with the pool
+    and ended at shutdown, and reads the registry's ``_pools`` and ``_groups``.
+    """
+
+    def _start_growing(self, pool: NodePool) -> None:
+        """Tick ``pool``'s growth until shutdown (a pool of a fixed size or lent has none)."""
+        metrics.set_gauge("prep_actors", len(pool.actors), node=pool.node[:16])
+        if pool.growth is None:
+            return
+        self._closing = self._closing or asyncio.Event()
+        self._growers[pool.node] = asyncio.get_running_loop().create_task(self._grow(pool, self._closing))
+
+    async def _grow(self, pool: NodePool, closing: asyncio.Event) -> None:
+        """Every ``TICK_S``: the seconds the node's trials waited for the pool since the last tick,
+        summed over its groups, go to the growth rule; an actor it asks for is started, then handed to
+        every coordinator of the node (a coordinator started meanwhile got the pool's list)."""
+        seen: dict = {}
+        began = time.monotonic()
+        while pool.growth.actors < pool.growth.most:
+            try:
+                await asyncio.wait_for(closing.wait(), TICK_S)
+                return  # the sweep ends
+            except asyncio.TimeoutError:
+                pass
+            try:
+                await self._tick(pool, seen, began)
+            except Exception:  # a bug here must not end the sweep; the pool keeps the actors it has
+                logger.exception("node %s: the prep pool's growth failed; it keeps its %d actors", pool.node,
+                                 len(pool.actors))
+                return
+
+    async def _tick(self, pool: NodePool, seen: dict, began: float) -> None:
+        """One look at the node's demand (``seen``: per coordinator, its wait at the last look), and the
+        actor the rule asks for, if any."""
+        coordinators = [g.actor for g in self._groups.values() if g.node == pool.node and g.actor is not None]
+        answers = await asyncio.gather(*(asyncio.wait_for(a.demand.remote(), CALL_TIMEOUT_S) for a in coordinators),
+                                       return_exceptions=True)
+        waited = 0.0
+        for actor, answer in zip(coordinators, answers):
+            if isinstance(answer, (int, float)):  # a coordinator that died or is slow counts nothing this tick
+                waited += answer - seen.get(actor, 0.0)
+                seen[actor] = answer
+        for gone in [a for a in seen if a not in coordinators]:
+            del seen[gone]
+        if not pool.growth.tick(waited, TICK_S, time.monotonic() - began):
+            return
+        logger.info("node %s: the trials waited %.1f s of %.0f s for the prep pool; starting actor %d of at most %d",
+                    pool.node, waited, TICK_S, pool.growth.actors + 1, pool.growth.most)
+        added = await pool.grow()
+        pool.growth.started(added, time.monotonic() - began, "" if added else
+                            f"it did not start within pool.start_timeout_s={pool.spec.start_timeout_s}s (no CPU free)")
+        if added:
+            metrics.set_gauge("prep_actors", len(pool.actors), node=pool.node[:16])
+            await self._hand_actors(pool)
+
+    async def _hand_actors(self, pool: NodePool) -> None:
+        """Every coordinator of ``pool``'s node submits to all its actors from now on (bounded; one
+        that does not answer is gone or will be replaced with the pool's list)."""
+        coordinators = [g.actor for g in self._groups.values() if g.node == pool.node and g.actor is not None]
+        for answer in await asyncio.gather(*(asyncio.wait_for(a.set_actors.remote(pool.actors), CALL_TIMEOUT_S)
+                                             for a in coordinators), return_exceptions=True):
+            if isinstance(answer, (ray.exceptions.RayError, asyncio.TimeoutError)):
+                logger.info("node %s: a coordinator did not take the grown pool: %r", pool.node, answer)
+
+    async def _stop_growing(self) -> None:
+        """End every tick task (each ends at its next wait; one starting an actor is cancelled: the
+        pool's ``kill`` ends that actor)."""
+        for task in self._growers.values():
+            task.cancel()
+        await asyncio.gather(*self._growers.values(), return_exceptions=True)
+        self._growers.clear()
