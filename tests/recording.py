@@ -115,6 +115,9 @@ class Gate:
         async with self.changed:
             await asyncio.wait_for(self.changed.wait_for(lambda: self.is_open), timeout_s)
 
+    async def opened(self) -> bool:
+        return self.is_open
+
     async def open(self) -> None:
         async with self.changed:
             self.is_open = True
@@ -133,8 +136,9 @@ def record(config: dict) -> None:
     ``gate`` (name of a :class:`Gate` in the coordinated_prep namespace: after epoch ``gate_after``
     the trial arrives there and waits for the test to open it), ``eval_s`` (seconds of a simulated
     evaluation after each epoch), ``evaluate`` (True: read the held-out split with ``eval_loader``
-    after each epoch), ``echo`` (the loader's echo setting). Each epoch also records the prep
-    processes alive on the machine.
+    after each epoch), ``echo`` (the loader's echo setting), ``until_open`` (name of a :class:`Gate`:
+    the trial stops after the first epoch that began with it open, or after ``epochs``). Each epoch
+    also records the prep processes alive on the machine.
     """
     out = os.path.join(config["out"], tune.get_context().get_trial_id())
     os.makedirs(out, exist_ok=True)
@@ -145,7 +149,9 @@ def record(config: dict) -> None:
     loader = train_loader(config, batch_size=config["batch_size"],
                           epochs=config["epochs"] - first if config.get("declare_epochs", True) else None,
                           echo=config.get("echo"))
+    until = ray.get_actor(config["until_open"], namespace="coordinated_prep") if config.get("until_open") else None
     for epoch in range(first, config["epochs"]):
+        last = until is not None and ray.get(until.opened.remote(), timeout=60)
         parts = []
         for step, b in enumerate(loader):
             parts.append((b.indices.numpy(), b.stream_epochs.numpy(), sample_digests(b.images.numpy()), len(b)))
@@ -177,6 +183,8 @@ def record(config: dict) -> None:
             gate = ray.get_actor(config["gate"], namespace="coordinated_prep")
             ray.get(gate.arrive.remote(tune.get_context().get_trial_id()), timeout=60)
             ray.get(gate.wait_open.remote(300), timeout=330)
+        if last:
+            break
 
 
 def record_digests(config: dict) -> None:
@@ -254,7 +262,9 @@ def record_rank(config: dict) -> None:
                           drop_last=config.get("drop_last", False))
     out = os.path.join(config["out"], loader.trial, f"rank{rank}")
     os.makedirs(out, exist_ok=True)
+    until = ray.get_actor(config["until_open"], namespace="coordinated_prep") if config.get("until_open") else None
     for epoch in range(first, config["epochs"]):
+        last = until is not None and ray.get(until.opened.remote(), timeout=60)
         parts = []
         for step, b in enumerate(loader):
             parts.append((b.indices.numpy(), b.repeats.numpy(), b.stream_epochs.numpy(),

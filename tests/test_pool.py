@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from coordinated_prep import ConfigError
 from coordinated_prep.pool import PoolSpec, split_budget
-from coordinated_prep.pool.elastic import PATIENCE, THRESHOLD, Growth
+from coordinated_prep.pool.elastic import BACKOFF, PATIENCE, THRESHOLD, Growth
 
 
 def test_defaults_are_one_actor_per_cpu_at_most_reserving_half_and_a_quarter_of_the_store():
@@ -57,44 +57,55 @@ def test_shares_never_exceed_the_budget_or_a_cap_and_leave_nothing_idle(total, c
         assert total - sum(shares.values()) < len(caps)
 
 
-def test_a_pool_grows_only_after_the_trials_waited_patience_ticks_in_a_row():
+def test_a_pool_grows_only_after_its_trials_were_blocked_a_whole_window():
     growth = Growth(most=2)
-    busy = THRESHOLD * 2.0  # the least wait that counts, over a tick of 2 s
+    enough = THRESHOLD * 2.0 * 3  # 3 trials, each blocked the least share that counts, over a tick of 2 s
     for _ in range(PATIENCE - 1):
-        assert not growth.tick(busy, 2.0, 0.0)
-    assert not growth.tick(busy * 0.99, 2.0, 0.0), "one quiet tick (the sweep's first pieces) starts the count again"
+        assert not growth.tick(enough, 3, False, 2.0, 0.0)
+    assert not growth.tick(enough, 3, True, 2.0, 0.0), "a lease ran: the budget, not the pool, held the trials"
     for _ in range(PATIENCE - 1):
-        assert not growth.tick(busy, 2.0, 0.0)
-    assert growth.tick(busy, 2.0, 7.5) and growth.starting
-    assert not growth.tick(10.0, 2.0, 8.0), "one actor starts at a time"
+        assert not growth.tick(enough, 3, False, 2.0, 0.0)
+    assert not growth.tick(enough * 0.9, 3, False, 2.0, 0.0), "blocked less than the threshold on average"
+    assert not growth.tick(enough / 3, 3, False, 2.0, 0.0), "one trial's wait, shared by three, is a third"
+    lump = [0.0] * (PATIENCE - 1) + [THRESHOLD * 2.0 * PATIENCE]  # a long block reported in one piece
+    assert [growth.tick(w, 1, False, 2.0, 7.5) for w in lump][-1] and growth.starting
+    assert not growth.tick(10.0, 1, False, 2.0, 8.0), "one actor starts at a time"
+    growth.started(False, 9.0, "no CPU")
+    assert not any(growth.tick(10.0, 1, False, 2.0, 9.0) for _ in range(BACKOFF + PATIENCE - 1)), "backs off"
+    assert growth.tick(10.0, 1, False, 2.0, 10.0)
     growth.started(True, 12.0)
-    assert growth.actors == 2 and not growth.tick(10.0, 2.0, 14.0), "never above its most"
-    assert [d[1] for d in growth.report()["decisions"]] == ["grow", "added"]
+    assert growth.actors == 2 and not growth.tick(10.0, 1, False, 2.0, 14.0), "never above its most"
+    assert [d[1] for d in growth.report()["decisions"]] == ["grow", "given up", "grow", "added"]
     with pytest.raises(ValueError):
         Growth(most=2, actors=3)
 
 
-@given(steps=st.lists(st.tuples(st.floats(0.0, 8.0), st.booleans()), max_size=60), most=st.integers(1, 6))
-def test_growth_is_safe_after_every_step_and_serves_waiting_trials_within_its_patience(steps, most):
-    """Safety after each step of a random schedule (waits per tick; each actor asked for starts or
-    is given up), then liveness: from the state reached, ticks in which the trials keep waiting ask
-    for an actor within ``PATIENCE`` ticks, with no other party acting, until the pool is at its most."""
+@given(steps=st.lists(st.tuples(st.floats(0.0, 8.0), st.integers(0, 4), st.booleans(), st.booleans()), max_size=80),
+       most=st.integers(1, 6))
+def test_growth_is_safe_after_every_step_and_serves_waiting_trials_within_its_bound(steps, most):
+    """Safety after each step of a random schedule (per tick: seconds blocked, trials, whether a
+    lease ran; each actor asked for starts or is given up), then liveness: from the state reached,
+    ticks in which every trial stays blocked ask for an actor within ``BACKOFF + PATIENCE`` ticks
+    (``PATIENCE`` once one was added), with no other party acting, until the pool is at its most."""
     growth = Growth(most=most)
-    quiet_run = 0  # ticks since the last one below the threshold
-    for waited, ok in steps:
+    history: list[tuple[float, bool]] = []  # per tick: mean seconds a trial was blocked, whether a lease ran
+    for waited, trials, leased, ok in steps:
         was = growth.actors
-        asked = growth.tick(waited, 2.0, 0.0)
-        quiet_run = quiet_run + 1 if waited >= THRESHOLD * 2.0 else 0
-        assert not asked or quiet_run >= PATIENCE, "grew without the trials waiting patience ticks in a row"
+        asked = growth.tick(waited, trials, leased, 2.0, 0.0)
+        history.append((waited / max(trials, 1), leased))
         if asked:
-            quiet_run = 0
+            last = history[-PATIENCE:]
+            assert len(last) == PATIENCE and not any(lease for _, lease in last), "grew on a lease's wait"
+            assert sum(w for w, _ in last) >= THRESHOLD * 2.0 * PATIENCE, "grew without a window of waiting"
             growth.started(ok, 0.0, "" if ok else "no CPU")
         assert 1 <= growth.actors <= most and growth.actors - was <= 1 and not growth.starting
         assert len(growth.report()["decisions"]) <= 16
+    bound = BACKOFF + PATIENCE
     while growth.actors < most:
         ticks = 1
-        while not growth.tick(8.0, 2.0, 0.0):
+        while not growth.tick(2.0, 1, False, 2.0, 0.0):
             ticks += 1
-            assert ticks <= PATIENCE, "trials waiting every tick were not served within the patience"
+            assert ticks <= bound, "trials blocked every tick were not served within the bound"
         growth.started(True, 0.0)
-    assert not growth.tick(8.0, 2.0, 0.0)
+        bound = PATIENCE
+    assert not growth.tick(2.0, 1, False, 2.0, 0.0)

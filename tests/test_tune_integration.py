@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 import pytest
+import ray
 from ray import tune
 from ray.tune.schedulers import ASHAScheduler
 
@@ -15,7 +16,7 @@ from coordinated_prep.pipeline.sources import open_source
 from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled
 from tests.harness import check_trial_records as _check_trial
 from tests.harness import assert_exactly_once, reference_digests, sample_digests, train_ids
-from tests.recording import load_records, record
+from tests.recording import Gate, load_records, record
 
 EPOCHS = 3
 LOOKAHEAD = 2
@@ -250,25 +251,43 @@ def test_the_dali_backend_shares_exact_epochs(ray_session, small_dataset, tmp_pa
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
+class _OpenOnceGrown(tune.Callback):
+    """Opens the gate ``pool-grown`` once the searcher's pool has grown (checked at each result)."""
+
+    def __init__(self, searcher: CoordinatedSearcher) -> None:
+        self.searcher = searcher
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        [pool] = self.searcher.pool_reports().values()
+        if pool["prep_actors"] > 1:
+            ray.get(ray.get_actor("pool-grown", namespace="coordinated_prep").open.remote(), timeout=60)
+
+
 def test_a_pool_sized_by_demand_starts_with_one_actor_and_grows_while_the_trial_waits(ray_session, tmp_path):
     """A pool left to size itself starts one prep actor; a trial that reads as fast as it can (no
-    compute step) waits for it, so the pool grows to its most (one per CPU: 2 here), the decision is
-    in its report, and the epochs stay exact, with the unshared bytes from either actor."""
+    compute step) is blocked on it, so the pool grows to its most (one per CPU: 2 here) and says why.
+    The trial reads until an epoch that began after the growth: its pieces went to both actors in
+    turn, and it holds the unshared bytes. Every epoch is exact."""
     spec = DataSpec(dataset="builtin:photos", pipeline={"size": 224}, seed=3, chunk_size=64)
+    gate = Gate.options(name="pool-grown", namespace="coordinated_prep").remote()  # noqa: F841 (kept alive)
     searcher = CoordinatedSearcher()
     searcher.start()
     [started] = searcher.pool_reports().values()
     assert started["prep_actors"] == 1 and started["growth"]["most_actors"] == 2, started
     analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0,
-                        config={"data": spec, "batch_size": 64, "epochs": 2, "out": str(tmp_path)})
+                        callbacks=[_OpenOnceGrown(searcher)],
+                        config={"data": spec, "batch_size": 64, "epochs": 8, "declare_epochs": False,
+                                "until_open": "pool-grown", "out": str(tmp_path)})
     assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
     [pool] = searcher.pool_reports().values()
     searcher.close()
     assert pool["prep_actors"] == 2 and pool["growth"]["grown"] == 1, pool
     assert [what for _, what, _ in pool["growth"]["decisions"]] == ["grow", "added"], pool
     [epochs] = load_records(str(tmp_path)).values()
-    assert_exactly_once([e["indices"] for e in epochs], train_ids(spec))
-    last = epochs[-1]  # its pieces came from both actors: the bytes of the unshared pipeline
+    assert len(epochs) < 8, "the trial read past the growth: it stopped after the first epoch begun after it"
+    for epoch in epochs:
+        assert_exactly_once([epoch["indices"]], train_ids(spec))
+    last = epochs[-1]
     picked = np.arange(0, len(last["indices"]), 97)
     assert np.array_equal(last["digests"][picked],
                           reference_digests(spec, last["stream_epochs"][picked], last["indices"][picked]))

@@ -7,25 +7,31 @@ reserves ``cpus / most`` of the node's CPUs, as each of a full pool does, so the
 what its live actors can use and leaves the rest to Tune's trials.
 
 The registry (:class:`~coordinated_prep.stream.registry.GroupRegistry`) asks every coordinator of
-the node, once per tick (``TICK_S``), how long its trials waited for pieces that were being
-prepared or that the pool had no room to start (``Coordinator.demand``): waits for the staging
-budget are the lease's business, not the pool's. It hands the sum to :meth:`Growth.tick`.
+the node, once per tick (``TICK_S``), how long its trials have been blocked on its pieces, how many
+trials it serves, and how long its lease clock has run (``Coordinator.demand``): a trial tells its
+coordinator how long it was blocked with its next request, so a long block arrives in one lump, and
+the rule therefore looks at a window of ticks, not at each tick alone. It hands the node's figures
+to :meth:`Growth.tick`.
 
 Rule:
-- Grow by one actor when the trials waited for the pool for at least ``threshold`` of each of the
-  last ``patience`` ticks, the pool has fewer than ``most`` actors, and no actor is starting. One
-  quiet tick starts the count again, so the first pieces of a sweep (every trial waits for the
-  pool's first results) do not grow it.
-- An actor asked for is added once it has started; one that does not start within the pool's
-  ``start_timeout_s`` (no CPU freed: the trials hold them) is given up, and the count starts again.
+- Grow by one actor when, over the last ``patience`` ticks, the node's trials were blocked on their
+  pieces for at least ``threshold`` of the time on average (per trial), the lease clock of no group
+  ran (a full budget is the lease's business: another actor would not help), the pool has fewer
+  than ``most`` actors, and no actor is starting. The window starts again after each decision, so
+  a sweep's first pieces (every trial waits for the pool's first results) grow it only if the
+  waiting lasts ``patience`` ticks.
+- An actor asked for is added once it has imported what it needs; one that does not start within
+  the pool's ``start_timeout_s`` (no CPU came free: the trials hold them) is given up, and the
+  pool does not ask again for ``backoff`` ticks (a pending actor competes with Tune's next trial
+  for the next CPU that comes free).
 - The pool never shrinks during a sweep (its actors are the registry's until the sweep ends).
 
 Bounds (checked after every step of random schedules in ``tests/test_pool.py``):
-- Safety: ``1 <= actors <= most``; at most one actor starting; nothing grows without
-  ``patience`` waiting ticks in a row.
-- Liveness: while the trials wait at least ``threshold`` of every tick and the pool has fewer than
-  ``most`` actors, an actor is asked for within ``patience`` ticks of the last one starting or
-  being given up, with no other party acting.
+- Safety: ``1 <= actors <= most``; at most one actor starting; nothing grows without a full
+  window of ``patience`` ticks whose mean wait per trial reaches ``threshold``.
+- Liveness: while the trials wait at least ``threshold`` of every tick (no lease running) and the
+  pool has fewer than ``most`` actors, an actor is asked for within ``patience`` ticks of the last
+  one being added (``patience + backoff`` of one given up), with no other party acting.
 """
 
 from __future__ import annotations
@@ -37,8 +43,10 @@ from dataclasses import dataclass, field
 TICK_S = 2.0
 #: Ticks in a row of waiting before the pool grows.
 PATIENCE = 3
-#: The share of a tick the node's trials must have waited for the pool (summed over trials).
+#: The share of the window a trial of the node must have been blocked on its pieces, on average.
 THRESHOLD = 0.2
+#: Ticks without asking again after an actor was given up.
+BACKOFF = 15
 
 
 @dataclass
@@ -48,16 +56,20 @@ class Growth:
     Args:
         most: The most actors the pool may have (one per CPU of the node, unless set).
         actors: Actors it has now (it starts with one).
-        patience: Waiting ticks in a row before it grows.
-        threshold: Share of a tick that counts as waiting.
+        patience: Ticks of the window it looks at.
+        threshold: Share of the window a trial must have been blocked, on average.
+        backoff: Ticks it waits after an actor was given up.
     """
 
     most: int
     actors: int = 1
     patience: int = PATIENCE
     threshold: float = THRESHOLD
+    backoff: int = BACKOFF
     starting: bool = False
-    streak: int = 0
+    #: The window: per tick, the mean seconds a trial was blocked (None: a tick whose lease ran).
+    window: collections.deque = field(default_factory=collections.deque)
+    quiet: int = 0  # ticks left of the back-off
     grown: int = 0
     given_up: int = 0
     #: The latest decisions, ``(seconds since the sweep started, what, why)``: bounded.
@@ -68,21 +80,31 @@ class Growth:
             raise ValueError(f"Growth(most={self.most}, actors={self.actors}, patience={self.patience}, "
                              f"threshold={self.threshold}) is not a pool's growth")
 
-    def tick(self, waited_s: float, tick_s: float, at_s: float) -> bool:
-        """One tick: ``waited_s`` seconds the node's trials waited for the pool over ``tick_s``.
+    def tick(self, waited_s: float, trials: int, leased: bool, tick_s: float, at_s: float) -> bool:
+        """One tick of ``tick_s``: ``waited_s`` seconds the node's ``trials`` trials reported blocked
+        on their pieces since the last, and whether a lease clock ran meanwhile (``leased``).
 
         Returns:
             True: ask for one more actor now (then report it with :meth:`started`).
         """
         if self.starting or self.actors >= self.most:
-            self.streak = 0
+            self.window.clear()
             return False
-        self.streak = self.streak + 1 if waited_s >= self.threshold * tick_s else 0
-        if self.streak < self.patience:
+        if self.quiet > 0:
+            self.quiet -= 1
             return False
-        self.streak, self.starting = 0, True
-        self.decisions.append((round(at_s, 1), "grow", f"trials waited {waited_s:.1f} s of the last {tick_s:.0f} s "
-                               f"for the pool's {self.actors} actor(s), {self.patience} ticks in a row"))
+        self.window.append(None if leased else waited_s / max(trials, 1))
+        while len(self.window) > self.patience:
+            self.window.popleft()
+        if len(self.window) < self.patience or None in self.window:
+            return False
+        mean = sum(self.window) / (self.patience * tick_s)
+        if mean < self.threshold:
+            return False
+        self.window.clear()
+        self.starting = True
+        self.decisions.append((round(at_s, 1), "grow", f"each trial was blocked {mean:.0%} of the last "
+                               f"{self.patience * tick_s:.0f} s on the pool's {self.actors} actor(s)"))
         return True
 
     def started(self, ok: bool, at_s: float, why: str = "") -> None:
@@ -96,6 +118,7 @@ class Growth:
             self.decisions.append((round(at_s, 1), "added", f"{self.actors} actor(s) now"))
         else:
             self.given_up += 1
+            self.quiet = self.backoff
             self.decisions.append((round(at_s, 1), "given up", why))
 
     def report(self) -> dict:

@@ -9,7 +9,7 @@ driver (kept warm from its previous sweep, :mod:`coordinated_prep.pool.warm`): t
 those; the pool hands them this sweep's cache and tier when it starts and never kills them.
 Coordinators hold handles and submit pieces to them, and own the pieces they get back. The pool
 starts before the first trial is placed: its actors reserve their CPUs before Tune's trials can
-take them, and have imported torch by the time the first piece is asked for (a warm start). A pool
+take them, and import torch while the trials start (their first piece waits for that). A pool
 left to size itself (``PoolSpec(actors=None)``, not lent) starts one actor and grows while the
 trials wait for it (:mod:`coordinated_prep.pool.elastic`); the registry adds each new actor to the
 pool and to every coordinator of the node.

@@ -30,8 +30,9 @@ class PoolSpec:
         staging_fraction: The node's staging budget as a fraction of its object store.
         staging_bytes: The node's staging budget in bytes (an integer or e.g. ``"512MiB"``);
             overrides ``staging_fraction``.
-        start_timeout_s: Longest wait for a node's pool to start (placed and imported) before the
-            sweep fails with an error naming the node.
+        start_timeout_s: Longest wait for a node's pool to be placed (its CPUs held) before the
+            sweep fails with an error naming the node; also the longest a growing pool waits for
+            a new actor to start before it gives that one up.
         eval_fraction: Share of the node's staging budget that the sweep's evaluation sets (the
             held-out split, prepared once per evaluation pipeline) may keep resident for the whole
             sweep; what does not fit is prepared again at each evaluation and streamed in order.

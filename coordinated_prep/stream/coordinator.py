@@ -247,8 +247,7 @@ class Coordinator(Producer):
         or ``"gone"`` (it left, re-joined since, or the group shut down). Neither is an error here:
         such answers usually belong to prefetches the trial will never read.
         """
-        if self.blocked_since is None:  # not while the budget is full (the lease's business): the pool's
-            self.stats["pool_wait_s"] += waited_s
+        self.stats["pool_wait_s"] += waited_s
         if self.evicted.get(trial) == token:
             return {"status": "evicted"}
         if self.closed or not self.buffer.is_current(trial, token):
@@ -336,15 +335,20 @@ class Coordinator(Producer):
         metrics.set_gauge("staging_budget_bytes", budget_bytes, group=self.group)
         await self._notify()
 
-    async def demand(self) -> float:
-        """Seconds this group's trials have been blocked on its pieces so far, but while the budget was
-        full (the lease's business): what the node pool's growth reads (:mod:`coordinated_prep.pool.elastic`)."""
-        return self.stats["pool_wait_s"]
+    async def demand(self) -> dict[str, Any]:
+        """What the node pool's growth reads (:mod:`coordinated_prep.pool.elastic`): the seconds this
+        group's trials reported blocked on its pieces so far, its trials now, and the seconds its
+        lease clock has run (a full budget, the lease's business)."""
+        lease = time.monotonic() - self.blocked_since if self.blocked_since is not None else 0.0
+        return {"waited_s": self.stats["pool_wait_s"], "trials": len(self.buffer.consumers),
+                "lease_s": self.stats["stall_s"] + lease}
 
     async def set_actors(self, actors: list[Any]) -> None:
         """The node's prep actors, after the pool grew: pieces go to every one of them from now on."""
         self.actors = list(actors)
         self.max_in_flight = 2 * len(self.actors)
+        if self.spec.lookahead is None:  # as for a pool of this size from the start
+            self.buffer.lookahead = self.stats["lookahead"] = max(8, 4 * len(self.actors))
         self.stats["prep_actors"] = len(self.actors)
         await self._notify()
 

@@ -53,22 +53,23 @@ class PoolGrowth:
                 return
 
     async def _tick(self, pool: NodePool, seen: dict, began: float) -> None:
-        """One look at the node's demand (``seen``: per coordinator, its wait at the last look), and the
-        actor the rule asks for, if any."""
+        """One look at the node's demand (``seen``: per coordinator, its answer at the last look), and
+        the actor the rule asks for, if any."""
         coordinators = [g.actor for g in self._groups.values() if g.node == pool.node and g.actor is not None]
         answers = await asyncio.gather(*(asyncio.wait_for(a.demand.remote(), CALL_TIMEOUT_S) for a in coordinators),
                                        return_exceptions=True)
-        waited = 0.0
+        waited, trials, leased = 0.0, 0, False
         for actor, answer in zip(coordinators, answers):
-            if isinstance(answer, (int, float)):  # a coordinator that died or is slow counts nothing this tick
-                waited += answer - seen.get(actor, 0.0)
+            if isinstance(answer, dict):  # a coordinator that died or is slow counts nothing this tick
+                last = seen.get(actor, {"waited_s": 0.0, "lease_s": 0.0})
+                waited += answer["waited_s"] - last["waited_s"]
+                leased = leased or answer["lease_s"] > last["lease_s"]
+                trials += answer["trials"]
                 seen[actor] = answer
-        for gone in [a for a in seen if a not in coordinators]:
-            del seen[gone]
-        if not pool.growth.tick(waited, TICK_S, time.monotonic() - began):
+        if not pool.growth.tick(waited, trials, leased, TICK_S, time.monotonic() - began):
             return
-        logger.info("node %s: the trials waited %.1f s of %.0f s for the prep pool; starting actor %d of at most %d",
-                    pool.node, waited, TICK_S, pool.growth.actors + 1, pool.growth.most)
+        logger.info("node %s: %s; starting prep actor %d of at most %d", pool.node, pool.growth.decisions[-1][2],
+                    pool.growth.actors + 1, pool.growth.most)
         added = await pool.grow()
         pool.growth.started(added, time.monotonic() - began, "" if added else
                             f"it did not start within pool.start_timeout_s={pool.spec.start_timeout_s}s (no CPU free)")
