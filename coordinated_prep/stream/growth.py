@@ -34,9 +34,10 @@ class PoolGrowth:
         self._growers[pool.node] = asyncio.get_running_loop().create_task(self._grow(pool, self._closing))
 
     async def _grow(self, pool: NodePool, closing: asyncio.Event) -> None:
-        """Every ``TICK_S``: the seconds the node's trials waited for the pool since the last tick,
-        summed over its groups, go to the growth rule; an actor it asks for is started, then handed to
-        every coordinator of the node (a coordinator started meanwhile got the pool's list)."""
+        """Every ``TICK_S``: the seconds the node's trials were blocked on their pieces since the last
+        tick (summed over its groups), its trials and whether a lease clock ran go to the growth rule;
+        an actor it asks for is started, then handed to every coordinator of the node (a coordinator
+        started meanwhile got the pool's list)."""
         seen: dict = {}
         began = time.monotonic()
         while pool.growth.actors < pool.growth.most:
@@ -66,6 +67,8 @@ class PoolGrowth:
                 leased = leased or answer["lease_s"] > last["lease_s"]
                 trials += answer["trials"]
                 seen[actor] = answer
+        for gone in [a for a in seen if a not in coordinators]:  # bounded by the node's live groups
+            del seen[gone]
         if not pool.growth.tick(waited, trials, leased, TICK_S, time.monotonic() - began):
             return
         logger.info("node %s: %s; starting prep actor %d of at most %d", pool.node, pool.growth.decisions[-1][2],
