@@ -53,7 +53,7 @@ class PrepActor:
     def __init__(self, cache: tuple[CacheLayout, CacheSpec] | None = None, tier: tuple[Any, float] | None = None) -> None:
         # Placed, the actor holds its CPUs: it answers at once, so that the pool's start (which Tune's
         # first trial waits for) does not wait for torch. It imports torch meanwhile, on a thread of
-        # its own, while the trials start; its first task waits for that (_imported).
+        # its own, while the trials start; its first task waits for that (imported).
         self._importing = threading.Thread(target=_import_torch, name="coordprep-import", daemon=True)
         self._importing.start()
         self._threads_set = False
@@ -81,7 +81,7 @@ class PrepActor:
         """A group's start: (samples in the dataset, the layout and bytes of its training or
         held-out samples); refuses a transform that cannot be seeded
         (:mod:`coordinated_prep.pipeline.probe`)."""
-        self._imported()
+        self.imported()
         pipeline = self._pipeline(spec, [spec])
         n = len(pipeline)
         ids = train_indices(n, spec.holdout) if mode == "train" else holdout_split(n, spec.holdout)[1]
@@ -92,7 +92,7 @@ class PrepActor:
                 layout: Layout) -> tuple[ChunkTiming, PreparedChunk]:
         """Prepare one piece of group ``key``. Returns (timing, piece) as two objects: the
         coordinator awaits the small first one and never pulls the piece into its own process."""
-        self._imported()
+        self.imported()
         cpu = time.process_time()
         pipeline = self._pipeline(key, box)
         spec = self._specs[key]
@@ -127,7 +127,7 @@ class PrepActor:
             SampleError: With ``on_error="raise"``, a sample cannot be read or prepared; names the
                 index and where it lives.
         """
-        self._imported()
+        self.imported()
         pipeline = self._pipeline(key, box)
         spec = self._specs[key]
         skipped: list[tuple[int, str, str]] = []
@@ -135,12 +135,9 @@ class PrepActor:
         return (tuple(skipped), piece_nbytes(chunk)), chunk
 
     def imported(self) -> None:
-        """Return once the actor can prepare (its imports done): a pool that grows adds it then."""
-        self._imported()
-
-    def _imported(self) -> None:
         """Wait (bounded) until the actor's imports are done, and prepare with one torch thread from
-        then on: one actor per core, and every preparation's bytes are a single thread's (seeding, rule 1)."""
+        then on: one actor per core, and every preparation's bytes are a single thread's (seeding, rule
+        1). Every preparing task calls it first; a pool that grows adds an actor once it returns."""
         if self._threads_set:
             return
         self._importing.join(_IMPORT_TIMEOUT_S)
