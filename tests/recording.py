@@ -128,7 +128,9 @@ def record(config: dict) -> None:
     """Iterate ``epochs`` epochs; save per epoch: indices, stream epochs, digests, batch sizes, node.
 
     Optional: ``delay_s`` per batch (a slow trial's compute step; with ``delay_while_shared``, only
-    until the loader has prepared a sample itself: a straggler detached from its group), ``fault`` to inject (see _inject),
+    until the loader has prepared a sample itself: a straggler detached from its group; with
+    ``delay_until``, a file name, only until that file exists in ``out``: slow until a fault was
+    injected, so that the retries run at full speed), ``fault`` to inject (see _inject),
     ``write`` (True: write into every leaf of every batch in place, after recording it),
     ``declare_epochs`` (True: the loader is told the epochs, so nothing past them is prepared),
     ``checkpoint`` (True: a checkpoint holding the epoch is reported every epoch, and a restored
@@ -159,7 +161,8 @@ def record(config: dict) -> None:
                 b.images.sub_(1)
                 b.labels[b.labels >= 0] = -1
             _inject(config, epoch, step)
-            if config.get("delay_s") and not (config.get("delay_while_shared") and loader.private_samples):
+            if config.get("delay_s") and not (config.get("delay_while_shared") and loader.private_samples) and not (
+                    config.get("delay_until") and os.path.exists(os.path.join(config["out"], config["delay_until"]))):
                 time.sleep(config["delay_s"])  # stands for a slow compute step, not for synchronisation
         np.savez(os.path.join(out, f"epoch{epoch}.npz"),
                  indices=np.concatenate([p[0] for p in parts]), stream_epochs=np.concatenate([p[1] for p in parts]),

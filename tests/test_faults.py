@@ -98,6 +98,7 @@ def test_a_killed_coordinator_fails_its_trials_clearly_and_their_retries_join_a_
     # so both are members of the group when it dies. Tune retries both (max_failures=1): the
     # registry sees the coordinator is dead and starts a new one, and the retries finish.
     analysis, reports = _run({"data": spec, "batch_size": 8, "epochs": 2, "delay_s": 0.3,
+                              "delay_until": "kill_coordinator-done",  # the retries run at full speed
                               "fault": tune.grid_search([None, "kill_coordinator"])}, tmp_path, warm_pool, max_failures=1)
     assert (tmp_path / "kill_coordinator-done").exists(), "the fault was injected"
     assert [t.status for t in analysis.trials] == ["TERMINATED", "TERMINATED"], [t.error_file for t in analysis.trials]
