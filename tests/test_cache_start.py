@@ -11,10 +11,11 @@ import pytest
 import ray
 from ray import tune
 
-from coordinated_prep import CacheError, CoordinatedSearcher, DataSpec
+from coordinated_prep import CacheError, CoordinatedSearcher, DataSpec, PoolSpec
 from coordinated_prep.cache import CacheSpec
 from coordinated_prep.cache.layout import CacheLayout
 from coordinated_prep.cache.start import start_caches
+from coordinated_prep.pool import warm
 from tests.conftest import live_coordprep_actors
 from tests.recording import record
 from tests.utils import FileOpens
@@ -48,10 +49,17 @@ def test_a_capacity_that_cannot_be_reserved_is_an_error_naming_node_and_fix(ray_
     assert not any("test-impossible" in name for name in live_coordprep_actors())  # destroyed, not left behind
 
 
+@pytest.mark.parametrize("kept", [False, True])
 def test_a_sweep_whose_cache_cannot_start_fails_at_start_instead_of_reading_storage(ray_session, small_dataset,
-                                                                                    tmp_path):
+                                                                                    tmp_path, kept):
+    """With a pool kept warm (``kept``), Tune's trials start while the registry does: the failed start
+    still ends the sweep with its reason, and leaves no actor (the kept ones are not kept again)."""
     spec = DataSpec(dataset=small_dataset, pipeline={"size": 24}, seed=1, chunk_size=8)
-    searcher = CoordinatedSearcher(cache=CacheSpec(IMPOSSIBLE))
+    pool = PoolSpec(keep_warm=kept)
+    if kept:  # a pool the driver's last sweep kept, of this sweep's shape
+        warm.give_back(warm.lend(pool), pool)
+        assert list(warm.kept().values()) == [pool.shape_for(2.0)]
+    searcher = CoordinatedSearcher(cache=CacheSpec(IMPOSSIBLE), pool=pool)
     with FileOpens(small_dataset) as opens, pytest.raises(Exception) as info:
         tune.run(tune.with_resources(record, {"cpu": 0.25}),
                  config={"data": spec, "batch_size": 10, "epochs": 1, "out": str(tmp_path)},
@@ -60,7 +68,7 @@ def test_a_sweep_whose_cache_cannot_start_fails_at_start_instead_of_reading_stor
     error = str(info.value)
     assert "cannot be reserved on node" in error and "lower cache.capacity_bytes" in error, error
     assert sum(opens.counts.values()) == 0  # no sample was read from storage
-    assert live_coordprep_actors() == []
+    assert live_coordprep_actors() == [] and warm.kept() == {}
 
 
 def test_a_sigkilled_caches_arena_is_reclaimed_by_the_next_sweeps_cache_and_a_live_one_kept(ray_session):

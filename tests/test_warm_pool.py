@@ -13,7 +13,7 @@ from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.pool import warm
 from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled, settled
 from tests.harness import check_trial_records
-from tests.recording import load_records, pids_titled, record
+from tests.recording import Gate, load_records, pids_titled, record
 from tests.utils import make_imagefolder
 
 
@@ -64,3 +64,32 @@ def test_a_kept_pool_serves_the_next_sweep_sees_its_new_files_and_gives_its_cpus
     warm.release()
     assert warm.kept() == {} and settled(_prep_actors, set()) == set()
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
+
+
+@ray.remote(num_cpus=0)
+class _Starting:
+    """An actor still starting: its constructor waits until the test opens the Gate ``gate``."""
+
+    def __init__(self, gate: str) -> None:
+        ray.get(ray.get_actor(gate, namespace="coordinated_prep").wait_open.remote(60), timeout=90)
+
+
+def test_trials_start_before_the_registry_only_on_kept_actors_that_all_answer(ray_session):
+    """``warm.placed``: the searcher lets Tune place trials before its registry has started only when
+    every node's pool is of lent actors that answer at once, so that they hold their CPUs already."""
+    node = ray.get_runtime_context().get_node_id()
+    gate = Gate.options(name="placed-starting", namespace="coordinated_prep").remote()
+    kept = Gate.remote()  # any actor that answers stands for a kept prep actor here
+    starting = _Starting.remote("placed-starting")
+    try:
+        ray.get(kept.__ray_ready__.remote(), timeout=60)
+        assert not warm.placed({}), "no pool lent: the registry starts its own, and the sweep waits for it"
+        assert warm.placed({node: [kept]})
+        assert not warm.placed({"another-node": [kept]}), "a live node has no lent pool"
+        assert not warm.placed({node: [kept, starting]}, timeout_s=0.5), "an actor still starting holds no CPU yet"
+        ray.get(gate.open.remote(), timeout=60)
+        ray.get(starting.__ray_ready__.remote(), timeout=60)
+        assert warm.placed({node: [kept, starting]})
+    finally:
+        for actor in (kept, starting, gate):
+            ray.kill(actor)

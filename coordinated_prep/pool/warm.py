@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 _ANSWER_S = 10.0  # a kept actor that does not answer a ping in this long is replaced
 _GONE_S = 30.0  # how long a killed actor may take to give its CPUs back before the new pool asks for them
+_PLACED_S = 0.5  # a kept actor that answers within this long holds its CPUs (see placed)
 
 Shape = tuple[int, float]  # (prep actors, logical CPUs each) of a node's pool
 
@@ -67,6 +68,19 @@ def lend(spec: PoolSpec) -> dict[str, list[Any]]:
             lent[node] = [PrepActor.options(num_cpus=shape[1], scheduling_strategy=affinity).remote()
                           for _ in range(shape[0])]
     return lent
+
+
+def placed(lent: dict[str, list[Any]], timeout_s: float = _PLACED_S) -> bool:
+    """Whether ``lent`` has actors on every live node with CPUs and each answers within ``timeout_s``:
+    then they hold their CPUs already (kept from the last sweep: an idle actor answers in
+    milliseconds), and Tune may place trials before the registry's start is done. New actors are
+    still starting their processes then: False, and the searcher waits for their placement."""
+    nodes = _nodes()
+    refs = [actor.__ray_ready__.remote() for actors in lent.values() for actor in actors]
+    if not nodes or set(nodes) - set(lent) or not refs:
+        return False
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    return len(ready) == len(refs)
 
 
 def give_back(lent: dict[str, list[Any]], spec: PoolSpec) -> None:

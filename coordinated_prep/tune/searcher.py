@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import operator
 import os
-import sys
 from typing import Any, Dict, Mapping, Optional
 
 import ray
@@ -23,7 +22,7 @@ from coordinated_prep.stream.registry import RegistryActor
 from coordinated_prep.tune.groups import group_of
 from coordinated_prep.tune.order import GroupOrder
 from coordinated_prep.tune.results import save_atomically, write_reports
-from coordinated_prep.tune.wrapping import limit, wrap
+from coordinated_prep.tune.wrapping import limit, tune_run_locals, wrap
 
 logger = logging.getLogger(__name__)
 
@@ -105,12 +104,13 @@ class CoordinatedSearcher(SearchAlgorithm):
         self.searcher = getattr(self._inner, "searcher", None) or ConcurrencyLimiter(
             Searcher(), max_concurrent=self._max_concurrent or _PENDING_WITHOUT_LIMIT)
         self._registry: Any = None
+        self._starting: ray.ObjectRef | None = None  # the registry's start, until it answered (see _ensure_registry)
         self._lent: dict[str, list[Any]] = {}  # per node, prep actors kept warm and lent to the registry
         self.session: str | None = None  # the Ray job id naming the registry, once started
 
     def __getstate__(self) -> dict[str, Any]:
         # Tune pickles the search algorithm with the Tuner (Tuner.restore): the registry is not kept.
-        return {**self.__dict__, "_registry": None, "_resolvers": None, "_lent": {}}
+        return {**self.__dict__, "_registry": None, "_starting": None, "_resolvers": None, "_lent": {}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -124,7 +124,7 @@ class CoordinatedSearcher(SearchAlgorithm):
         return self._inner.metric
 
     def set_search_properties(self, metric: Optional[str], mode: Optional[str], config: Dict, **spec) -> bool:
-        run = _tune_run_locals()
+        run = tune_run_locals()
         limit = run.get("max_concurrent_trials")
         self._limit(limit if isinstance(limit, int) and limit > 0 else None)
         self._resolvers = run.get("placeholder_resolvers")
@@ -169,7 +169,7 @@ class CoordinatedSearcher(SearchAlgorithm):
         # Before Tune places any trial, restored ones included. Tune hides non-primitive config
         # values (a DataSpec) behind placeholders until the trial is added, so each trial finds its
         # group later, itself, through the registry.
-        self._ensure_registry()
+        self._ensure_registry(wait=False)
         return self._release()
 
     def _release(self):
@@ -188,9 +188,11 @@ class CoordinatedSearcher(SearchAlgorithm):
             self._order.offer(trial, group_of(trial.config, self._resolvers) if self._lookahead else None)
 
     def on_trial_result(self, trial_id: str, result: Dict) -> None:
+        self._await_start(block=False)  # a start that failed ends the sweep (see _ensure_registry)
         self._inner.on_trial_result(trial_id, result)
 
     def on_trial_complete(self, trial_id: str, result: Optional[Dict] = None, error: bool = False) -> None:
+        self._await_start(block=False)
         self._order.complete(trial_id)
         self._inner.on_trial_complete(trial_id, result=result, error=error)
         if self._registry is None:
@@ -319,14 +321,29 @@ class CoordinatedSearcher(SearchAlgorithm):
         (:mod:`coordinated_prep.pool.warm`)."""
         if self._registry is None:
             return
+        try:
+            self._await_start()
+        except Exception as e:  # it shut down already, and gave its lent actors back
+            logger.warning("coordinated_prep: the sweep's prep pools had not started: %s", e)
+            return
         _destroy(self._registry)
         self._registry = None
         warm.give_back(getattr(self, "_lent", {}), self._pool)
         self._lent = {}
 
-    def _ensure_registry(self) -> None:
-        """Start the registry and every node's prep pool, once; waits until the pools are ready."""
+    def _ensure_registry(self, wait: bool = True) -> None:
+        """Start the registry and every node's prep pool, once.
+
+        The pools must hold their CPUs before Tune places trials on them, so this waits until they
+        are ready, with one exception when Tune asks for a trial (``wait=False``): every node's pool
+        is made of actors kept warm by the driver's last sweep that answer at once, so they hold
+        their CPUs already. Tune's first trial then starts while the registry does (about 1 s on 2
+        cores); a trial that asks for its group before the start is done waits for it in the
+        registry, and a start that failed is raised at Tune's next request, result or completion
+        (:meth:`_await_start`), which ends the sweep as a failed start before it did.
+        """
         if self._registry is not None:
+            self._await_start(block=wait)
             return
         context = ray.get_runtime_context()
         # Every trial of the sweep runs in the driver's Ray job and finds the registry by its id; a
@@ -341,35 +358,29 @@ class CoordinatedSearcher(SearchAlgorithm):
                 name=registry_name(job), namespace=NAMESPACE, get_if_exists=True,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=context.get_node_id(), soft=False),
             ).remote(job, self._cache, self._pool, self._lent)
-        # Blocking on purpose: the pools must hold their CPUs before Tune places trials on them.
+        self._registry, self._starting = registry, registry.start.remote()
+        if wait or not warm.placed(self._lent):
+            self._await_start()
+
+    def _await_start(self, block: bool = True) -> None:
+        """Wait for the registry's start (``block=False``: only if it has answered). A start that
+        failed leaves nothing behind: the registry is shut down, the lent actors are not kept.
+
+        Raises:
+            PrepError: A node's pool did not start (names the node and the fix).
+        """
+        if self._starting is None or not (block or ray.wait([self._starting], timeout=0)[0]):
+            return
         try:
-            pools = ray.get(registry.start.remote(), timeout=self._pool.start_timeout_s + _CALL_TIMEOUT_S)
+            pools = ray.get(self._starting, timeout=self._pool.start_timeout_s + _CALL_TIMEOUT_S)
         except Exception:
+            registry, self._registry, self._starting = self._registry, None, None
             _destroy(registry)  # nothing is left behind by a sweep that cannot start
             warm.give_back(self._lent, PoolSpec())  # nor kept: an actor of them may be why
             self._lent = {}
             raise
-        self._registry = registry
+        self._starting = None
         logger.info("coordinated_prep: prep pools ready on %d node(s): %s", len(pools), pools)
-
-
-def _tune_run_locals() -> dict[str, Any]:
-    """The local variables of the ``tune.run`` (``Tuner.fit``) now calling the searcher; {} if none.
-
-    Two are read there, a few frames up from ``set_search_properties``, because Tune (2.x,
-    ``ray.tune.tune.run``) passes them nowhere a search algorithm sees: ``max_concurrent_trials``,
-    which it wraps around a ``Searcher`` but drops with a warning for a ``SearchAlgorithm``, and
-    ``placeholder_resolvers``, which turn a suggested config's hidden values (a DataSpec) back into
-    objects (:mod:`coordinated_prep.tune.groups`).
-    """
-    frame = sys._getframe(1)
-    for _ in range(8):
-        if frame is None:
-            return {}
-        if frame.f_code.co_name == "run" and frame.f_globals.get("__name__") == "ray.tune.tune":
-            return dict(frame.f_locals)
-        frame = frame.f_back
-    return {}
 
 
 def _destroy(registry: Any) -> None:

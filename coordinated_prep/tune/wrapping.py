@@ -19,6 +19,7 @@ configs are tried.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,4 +95,23 @@ def wrap(searcher: Searcher | SearchAlgorithm | None, max_concurrent: int, order
     raise ConfigError(f"CoordinatedSearcher: searcher={searcher!r} is not a Tune Searcher or SearchAlgorithm")
 
 
-__all__ = ["SEARCHER_WINDOW", "Wrapped", "limit", "wrap"]
+__all__ = ["SEARCHER_WINDOW", "Wrapped", "limit", "tune_run_locals", "wrap"]
+
+
+def tune_run_locals() -> dict[str, Any]:
+    """The local variables of the ``tune.run`` (``Tuner.fit``) now calling the searcher; {} if none.
+
+    Two are read there, a few frames up from ``set_search_properties``, because Tune (2.x,
+    ``ray.tune.tune.run``) passes them nowhere a search algorithm sees: ``max_concurrent_trials``,
+    which it wraps around a ``Searcher`` but drops with a warning for a ``SearchAlgorithm``, and
+    ``placeholder_resolvers``, which turn a suggested config's hidden values (a DataSpec) back into
+    objects (:mod:`coordinated_prep.tune.groups`).
+    """
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return {}
+        if frame.f_code.co_name == "run" and frame.f_globals.get("__name__") == "ray.tune.tune":
+            return dict(frame.f_locals)
+        frame = frame.f_back
+    return {}
