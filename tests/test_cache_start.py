@@ -49,19 +49,31 @@ def test_a_capacity_that_cannot_be_reserved_is_an_error_naming_node_and_fix(ray_
     assert not any("test-impossible" in name for name in live_coordprep_actors())  # destroyed, not left behind
 
 
-@pytest.mark.parametrize("kept", [False, True])
+def _no_data(config: dict) -> None:
+    """A trial that reads no data: it ends before its sweep's registry has started."""
+    tune.report({"done": 1})
+
+
+@pytest.mark.parametrize("kept, trainable", [(False, record), (True, record), (True, _no_data)])
 def test_a_sweep_whose_cache_cannot_start_fails_at_start_instead_of_reading_storage(ray_session, small_dataset,
-                                                                                    tmp_path, kept):
+                                                                                    tmp_path, monkeypatch, kept,
+                                                                                    trainable):
     """With a pool kept warm (``kept``), Tune's trials start while the registry does: the failed start
-    still ends the sweep with its reason, and leaves no actor (the kept ones are not kept again)."""
+    still ends the sweep with its reason, even when every trial ended first, and leaves no actor (the
+    kept ones are not kept again)."""
     spec = DataSpec(dataset=small_dataset, pipeline={"size": 24}, seed=1, chunk_size=8)
     pool = PoolSpec(keep_warm=kept)
-    if kept:  # a pool the driver's last sweep kept, of this sweep's shape
-        warm.give_back(warm.lend(pool), pool)
+    if kept:  # a pool the driver's last sweep kept, of this sweep's shape, its imports done
+        lent = warm.lend(pool)
+        ray.get([actor.imported.remote() for actors in lent.values() for actor in actors], timeout=300)
+        warm.give_back(lent, pool)
         assert list(warm.kept().values()) == [pool.shape_for(2.0)]
+    decided = []
+    placed = warm.placed
+    monkeypatch.setattr(warm, "placed", lambda lent: decided.append(placed(lent)) or decided[-1])
     searcher = CoordinatedSearcher(cache=CacheSpec(IMPOSSIBLE), pool=pool)
     with FileOpens(small_dataset) as opens, pytest.raises(Exception) as info:
-        tune.run(tune.with_resources(record, {"cpu": 0.25}),
+        tune.run(tune.with_resources(trainable, {"cpu": 0.25}),
                  config={"data": spec, "batch_size": 10, "epochs": 1, "out": str(tmp_path)},
                  search_alg=searcher, num_samples=2, verbose=0, raise_on_failed_trial=False)
     searcher.close()
@@ -69,6 +81,10 @@ def test_a_sweep_whose_cache_cannot_start_fails_at_start_instead_of_reading_stor
     assert "cannot be reserved on node" in error and "lower cache.capacity_bytes" in error, error
     assert sum(opens.counts.values()) == 0  # no sample was read from storage
     assert live_coordprep_actors() == [] and warm.kept() == {}
+    if kept:
+        assert decided == [True], "on a kept pool, Tune's trials started while the registry did"
+    else:
+        assert True not in decided, "a pool of the registry's own is waited for"
 
 
 def test_a_sigkilled_caches_arena_is_reclaimed_by_the_next_sweeps_cache_and_a_live_one_kept(ray_session):

@@ -11,27 +11,25 @@ import ray
 from ray import cloudpickle
 from ray.tune import PlacementGroupFactory
 from ray.tune.search import ConcurrencyLimiter, SearchAlgorithm, Searcher, SearchGenerator
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.naming import NAMESPACE, registry_name
 from coordinated_prep.pool import warm
 from coordinated_prep.pool.spec import PoolSpec
-from coordinated_prep.stream.registry import RegistryActor
 from coordinated_prep.tune.groups import group_of
 from coordinated_prep.tune.order import GroupOrder
 from coordinated_prep.tune.results import save_atomically, write_reports
+from coordinated_prep.tune.starting import CALL_TIMEOUT_S as _CALL_TIMEOUT_S, RegistryStart, _destroy
 from coordinated_prep.tune.wrapping import limit, tune_run_locals, wrap
 
 logger = logging.getLogger(__name__)
 
-_CALL_TIMEOUT_S = 60.0
 _SAVE_TIMEOUT_S = 10.0  # the reports saved with one of Tune's experiment checkpoints
 _PENDING_WITHOUT_LIMIT = 200  # what Tune allows a BasicVariantGenerator on a small cluster
 ORDER_FILE = "coordprep_order.pkl"  # the suggestions held back, saved with Tune's experiment checkpoints
 
-class CoordinatedSearcher(SearchAlgorithm):
+class CoordinatedSearcher(RegistryStart, SearchAlgorithm):
     """Wraps a Tune search algorithm and shares data preparation among the trials it suggests.
 
     It owns a group registry actor, on the driver's node and outside every trial's placement group.
@@ -105,15 +103,17 @@ class CoordinatedSearcher(SearchAlgorithm):
             Searcher(), max_concurrent=self._max_concurrent or _PENDING_WITHOUT_LIMIT)
         self._registry: Any = None
         self._starting: ray.ObjectRef | None = None  # the registry's start, until it answered (see _ensure_registry)
+        self._start_error: BaseException | None = None  # why that start failed, raised at Tune's next request
         self._lent: dict[str, list[Any]] = {}  # per node, prep actors kept warm and lent to the registry
         self.session: str | None = None  # the Ray job id naming the registry, once started
 
     def __getstate__(self) -> dict[str, Any]:
         # Tune pickles the search algorithm with the Tuner (Tuner.restore): the registry is not kept.
-        return {**self.__dict__, "_registry": None, "_starting": None, "_resolvers": None, "_lent": {}}
+        return {**self.__dict__, "_registry": None, "_starting": None, "_start_error": None, "_resolvers": None,
+                "_lent": {}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"_starting": None, "_start_error": None, **state})  # pickled before these existed
         if "_order" not in state:  # a searcher pickled before suggestions were ordered (Tuner.restore)
             self._lookahead = False
             self._order = GroupOrder(window=1, key=operator.attrgetter("trial_id"))
@@ -188,11 +188,11 @@ class CoordinatedSearcher(SearchAlgorithm):
             self._order.offer(trial, group_of(trial.config, self._resolvers) if self._lookahead else None)
 
     def on_trial_result(self, trial_id: str, result: Dict) -> None:
-        self._await_start(block=False)  # a start that failed ends the sweep (see _ensure_registry)
+        self._note_start(block=False)  # a start that failed ends the sweep (see _ensure_registry)
         self._inner.on_trial_result(trial_id, result)
 
     def on_trial_complete(self, trial_id: str, result: Optional[Dict] = None, error: bool = False) -> None:
-        self._await_start(block=False)
+        self._note_start(block=error)  # a trial that failed may have failed for want of its pool
         self._order.complete(trial_id)
         self._inner.on_trial_complete(trial_id, result=result, error=error)
         if self._registry is None:
@@ -203,7 +203,10 @@ class CoordinatedSearcher(SearchAlgorithm):
             logger.warning("coordinated_prep: trial %s did not leave its data group cleanly: %s", trial_id, e)
 
     def is_finished(self) -> bool:
-        return self._inner.is_finished() and not len(self._order)
+        # Not while the registry's start is pending or failed: Tune then asks for a trial again, and
+        # learns why the start failed, even when every trial has ended.
+        starting = self._starting is not None or self._start_error is not None
+        return self._inner.is_finished() and not len(self._order) and not starting
 
     def set_finished(self) -> None:
         for trial, _, _ in self._order.waiting():  # held back, never given to Tune: the sweep ends without them
@@ -330,71 +333,3 @@ class CoordinatedSearcher(SearchAlgorithm):
         self._registry = None
         warm.give_back(getattr(self, "_lent", {}), self._pool)
         self._lent = {}
-
-    def _ensure_registry(self, wait: bool = True) -> None:
-        """Start the registry and every node's prep pool, once.
-
-        The pools must hold their CPUs before Tune places trials on them, so this waits until they
-        are ready, with one exception when Tune asks for a trial (``wait=False``): every node's pool
-        is made of actors kept warm by the driver's last sweep that answer at once, so they hold
-        their CPUs already. Tune's first trial then starts while the registry does (about 1 s on 2
-        cores); a trial that asks for its group before the start is done waits for it in the
-        registry, and a start that failed is raised at Tune's next request, result or completion
-        (:meth:`_await_start`), which ends the sweep as a failed start before it did.
-        """
-        if self._registry is not None:
-            self._await_start(block=wait)
-            return
-        context = ray.get_runtime_context()
-        # Every trial of the sweep runs in the driver's Ray job and finds the registry by its id; a
-        # restored searcher finds its twin's registry (get_if_exists). It lives on the driver's node,
-        # as long as the driver.
-        job = self.session = context.get_job_id()
-        try:  # a twin's, still running (Tuner.restore in this driver): its pools are up, nothing to lend
-            registry = ray.get_actor(registry_name(job), namespace=NAMESPACE)
-        except ValueError:
-            self._lent = warm.lend(self._pool)  # the last sweep's prep actors, if it kept them warm
-            registry = RegistryActor.options(
-                name=registry_name(job), namespace=NAMESPACE, get_if_exists=True,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=context.get_node_id(), soft=False),
-            ).remote(job, self._cache, self._pool, self._lent)
-        self._registry, self._starting = registry, registry.start.remote()
-        if wait or not warm.placed(self._lent):
-            self._await_start()
-
-    def _await_start(self, block: bool = True) -> None:
-        """Wait for the registry's start (``block=False``: only if it has answered). A start that
-        failed leaves nothing behind: the registry is shut down, the lent actors are not kept.
-
-        Raises:
-            PrepError: A node's pool did not start (names the node and the fix).
-        """
-        if self._starting is None or not (block or ray.wait([self._starting], timeout=0)[0]):
-            return
-        try:
-            pools = ray.get(self._starting, timeout=self._pool.start_timeout_s + _CALL_TIMEOUT_S)
-        except Exception:
-            registry, self._registry, self._starting = self._registry, None, None
-            _destroy(registry)  # nothing is left behind by a sweep that cannot start
-            warm.give_back(self._lent, PoolSpec())  # nor kept: an actor of them may be why
-            self._lent = {}
-            raise
-        self._starting = None
-        logger.info("coordinated_prep: prep pools ready on %d node(s): %s", len(pools), pools)
-
-
-def _destroy(registry: Any) -> None:
-    """Shut a registry down (its groups, pools and caches), kill it, and wait until it is gone, so
-    that its name (the job's) is free for the next sweep of this driver."""
-    try:
-        ray.get(registry.shutdown.remote(), timeout=_CALL_TIMEOUT_S)
-    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
-        logger.warning("coordinated_prep: a registry did not shut down cleanly: %s", e)
-    ray.kill(registry)
-    try:
-        ray.get(registry.__ray_ready__.remote(), timeout=_CALL_TIMEOUT_S)
-    except ray.exceptions.RayActorError:
-        return  # dead, its name released
-    except ray.exceptions.GetTimeoutError:
-        pass
-    logger.warning("coordinated_prep: the registry still answered after it was killed")
