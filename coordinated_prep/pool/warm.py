@@ -76,9 +76,9 @@ def placed(lent: dict[str, list[Any]], timeout_s: float = _PLACED_S) -> bool:
     milliseconds), and Tune may place trials before the registry's start is done. New actors are
     still starting their processes then: False, and the searcher waits for their placement."""
     nodes = _nodes()
-    refs = [actor.__ray_ready__.remote() for actors in lent.values() for actor in actors]
-    if not nodes or set(nodes) - set(lent) or not refs:
+    if not nodes or set(nodes) - set(lent) or not any(lent.values()):
         return False
+    refs = [actor.__ray_ready__.remote() for actors in lent.values() for actor in actors]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     return len(ready) == len(refs)
 

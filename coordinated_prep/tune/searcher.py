@@ -20,7 +20,7 @@ from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.tune.groups import group_of
 from coordinated_prep.tune.order import GroupOrder
 from coordinated_prep.tune.results import save_atomically, write_reports
-from coordinated_prep.tune.starting import CALL_TIMEOUT_S as _CALL_TIMEOUT_S, RegistryStart, _destroy
+from coordinated_prep.tune.starting import CALL_TIMEOUT_S as _CALL_TIMEOUT_S, RegistryStart, destroy
 from coordinated_prep.tune.wrapping import limit, tune_run_locals, wrap
 
 logger = logging.getLogger(__name__)
@@ -329,7 +329,7 @@ class CoordinatedSearcher(RegistryStart, SearchAlgorithm):
         except Exception as e:  # it shut down already, and gave its lent actors back
             logger.warning("coordinated_prep: the sweep's prep pools had not started: %s", e)
             return
-        _destroy(self._registry)
+        destroy(self._registry)
         self._registry = None
         warm.give_back(getattr(self, "_lent", {}), self._pool)
         self._lent = {}

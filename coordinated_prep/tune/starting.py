@@ -5,7 +5,7 @@ Its life cycle: :meth:`RegistryStart._ensure_registry` creates it (or finds a tw
 their CPUs already (kept warm and lent, :func:`coordinated_prep.pool.warm.placed`), Tune may place
 trials before that start answers; otherwise the searcher waits, so that Tune cannot take the CPUs
 first. A start that fails shuts the registry down and ends the sweep (:meth:`_await_start`). The
-searcher's ``close`` destroys it (:func:`_destroy`).
+searcher's ``close`` destroys it (:func:`destroy`).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class RegistryStart:
                                 "held by something else; free them, or raise pool.start_timeout_s") from None
         except Exception:
             registry, self._registry, self._starting = self._registry, None, None
-            _destroy(registry)  # nothing is left behind by a sweep that cannot start
+            destroy(registry)  # nothing is left behind by a sweep that cannot start
             warm.give_back(self._lent, PoolSpec())  # nor kept: an actor of them may be why
             self._lent = {}
             raise
@@ -114,7 +114,7 @@ class RegistryStart:
             self._start_error = e
 
 
-def _destroy(registry: Any) -> None:
+def destroy(registry: Any) -> None:
     """Shut a registry down (its groups, pools and caches), kill it, and wait until it is gone, so
     that its name (the job's) is free for the next sweep of this driver."""
     try:
