@@ -11,6 +11,7 @@ from typing import Any, Literal, Mapping
 
 from coordinated_prep.errors import ConfigError, known_keys
 from coordinated_prep.pipeline.carried import Carried, Packed, raw
+from coordinated_prep.pipeline.part import PART_FIELDS, check_part
 from coordinated_prep.pipeline.backends.spec import BACKENDS, Backend, PipelineSpec  # noqa: F401  (re-exported)
 from coordinated_prep.plan import piece_size
 
@@ -79,6 +80,14 @@ class DataSpec:
             from (seed, epoch, sample, view); view 0 is the draw of ``views=1``. A trial's epoch
             then holds every sample ``views`` times, and the staged bytes grow with it. Part of the
             group key, unlike a trial's ``echo`` (:mod:`coordinated_prep.trial.echo`).
+        subset: Dataset indices of the training samples this trial reads (each once), instead of
+            the whole training split. Not part of the group key: trials that differ only in
+            ``subset``, ``fraction`` or ``fold`` share one stream, prepared once per epoch, and each
+            keeps its part of every piece (:mod:`coordinated_prep.pipeline.part`).
+        fraction: Read the first ``fraction`` of a fixed permutation of the training split (a
+            data-budget fidelity: a smaller fraction's samples are inside every larger one's).
+        fold: ``(k, i)``: train on every fold but ``i`` of the training split cut into ``k``, and
+            evaluate on fold ``i`` (k-fold cross-validation).
         lease_s: Longest time production waits for the trials holding the oldest staged piece
             when the byte budget is full and another trial waits for a piece; after it those trials
             (stragglers) are detached and prepare their own pieces from then on, byte-identical and
@@ -105,7 +114,11 @@ class DataSpec:
     lease_s: float = 30.0
     on_error: OnError = "raise"
     views: int = 1
+    subset: tuple[int, ...] | None = None
+    fraction: float | None = None
+    fold: tuple[int, int] | None = None
     _key: str = field(init=False, repr=False, compare=False, default="")
+    _group: str = field(init=False, repr=False, compare=False, default="")
     #: The Tune trial whose process pickled this spec, so that its Ray Train workers find their trial
     #: (:mod:`coordinated_prep.context`); not part of the group, nor of equality.
     _trial: str = field(init=False, repr=False, compare=False, default="")
@@ -119,6 +132,13 @@ class DataSpec:
 
             state["_trial"] = stamp() or ""
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A spec pickled before the part fields existed (an experiment to restore) reads the whole split."""
+        self.__dict__.update({name: None for name in PART_FIELDS if name not in state})
+        self.__dict__.update(state)
+        if "_group" not in state:  # its key then had no part fields: the group key is that key
+            self.__dict__["_group"] = state.get("_key", "")
 
     def __post_init__(self) -> None:
         self._check_dataset_and_transforms()
@@ -159,7 +179,10 @@ class DataSpec:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"data.{name}={value!r} must be a positive number of seconds")
+        for name, value in zip(PART_FIELDS, check_part(self.subset, self.fraction, self.fold)):
+            object.__setattr__(self, name, value)
         object.__setattr__(self, "_key", self._make_key())
+        object.__setattr__(self, "_group", self._make_key(PART_FIELDS))
 
     def _check_dataset_and_transforms(self) -> None:
         """Factories from mappings, map-style datasets, callables, and torchvision's exclusions."""
@@ -188,12 +211,12 @@ class DataSpec:
             raise ConfigError(f"data.ragged={self.ragged!r} must be a list of leaf names such as ['1.boxes']")
         object.__setattr__(self, "ragged", tuple(self.ragged))
 
-    def _make_key(self) -> str:
+    def _make_key(self, leave_out: tuple[str, ...] = ()) -> str:
         from coordinated_prep.pipeline.datasets import object_key
 
         fields = {}
         for f in dataclasses.fields(self):
-            if f.name in ("_key", "_trial"):
+            if f.name in ("_key", "_group", "_trial") or f.name in leave_out:
                 continue
             value = getattr(self, f.name)
             if f.name == "dataset" or f.name in TRANSFORM_FIELDS:
@@ -231,7 +254,7 @@ class DataSpec:
 
     def __repr__(self) -> str:  # only what differs from the defaults: Tune prints configs in tables
         changed = [f"{f.name}={_short(getattr(self, f.name))}" for f in dataclasses.fields(self)
-                   if f.name not in ("pipeline", "_key", "_trial") and getattr(self, f.name) is not _DATA_DEFAULTS[f.name]
+                   if f.name not in ("pipeline", "_key", "_group", "_trial") and getattr(self, f.name) is not _DATA_DEFAULTS[f.name]
                    and not _same(getattr(self, f.name), _DATA_DEFAULTS[f.name])]
         if self.pipeline != PipelineSpec():
             changed.append(f"pipeline={self.pipeline!r}")
@@ -250,9 +273,19 @@ class DataSpec:
 
     @property
     def group_key(self) -> str:
-        """Stable identifier of this spec's data group (equal specs, equal keys): a hash of its fields,
-        a dataset or transform entering by its key (:mod:`coordinated_prep.pipeline.datasets`)."""
-        return self._key
+        """Stable identifier of this spec's data group: a hash of its fields, a dataset or transform
+        entering by its key (:mod:`coordinated_prep.pipeline.datasets`), the trial's part
+        (``subset``, ``fraction``, ``fold``) left out. Equal specs have equal keys."""
+        return self._group
+
+    @property
+    def part(self) -> str | None:
+        """The trial's part of the training split, short, for messages; None for the whole split."""
+        if self.subset is not None:
+            return f"subset of {len(self.subset)} samples"
+        if self.fraction is not None:
+            return f"fraction {self.fraction:g}"
+        return None if self.fold is None else f"fold {self.fold[1]} of {self.fold[0]} held out"
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], where: str = "data") -> "DataSpec":

@@ -12,6 +12,7 @@ import torch
 from coordinated_prep import DataSpec
 from coordinated_prep.pipeline.backends import make_preprocessor
 from tests.utils import image_chunk
+from coordinated_prep.pipeline.part import part_ids
 from coordinated_prep.plan import holdout_split
 from coordinated_prep.pipeline.sources import open_source
 
@@ -54,7 +55,11 @@ def batch_digests(batch) -> np.ndarray:
 
 
 def train_ids(spec: DataSpec) -> np.ndarray:
-    return holdout_split(len(open_source(spec.dataset)), spec.holdout)[0]
+    """The samples each epoch of a trial of ``spec`` holds: its part of the training split
+    (:mod:`coordinated_prep.pipeline.part`), or the whole split."""
+    n = len(open_source(spec.dataset))
+    part = part_ids(spec, n)
+    return holdout_split(n, spec.holdout)[0] if part is None else part
 
 
 def stream_samples(starts: Iterable[int], epochs: int, samples_per_epoch: int, chunk_size: int) -> int:

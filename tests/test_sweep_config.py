@@ -40,7 +40,7 @@ def _write(tmp_path, text: str) -> str:
 
 
 def test_every_example_in_experiments_is_valid():
-    for name in ("default", "asha", "unshared", "cached", "optuna", "pbt", "hyperband", "ddp", "grid"):
+    for name in ("default", "asha", "unshared", "cached", "optuna", "pbt", "hyperband", "ddp", "grid", "cv", "fidelity"):
         cfg = load_sweep(f"experiments/{name}.yaml")
         assert cfg.data.dataset == "builtin:shapes"
 

@@ -19,7 +19,7 @@ from coordinated_prep.pipeline.probe import Probe, probe, train_indices
 from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.pipeline.structure import Layout
 from coordinated_prep.pipeline.transforms import Pipeline, make_pipeline
-from coordinated_prep.plan import holdout_split
+from coordinated_prep.pipeline.part import held_out
 from coordinated_prep.pages import padded_empty
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.tier.client import TierClient
@@ -84,7 +84,7 @@ class PrepActor:
         self.imported()
         pipeline = self._pipeline(spec, [spec])
         n = len(pipeline)
-        ids = train_indices(n, spec.holdout) if mode == "train" else holdout_split(n, spec.holdout)[1]
+        ids = train_indices(n, spec.holdout) if mode == "train" else held_out(spec, n)
         where = "data" if mode == "train" else "data (evaluation)"
         return n, probe(pipeline, spec.seed, ids, spec.ragged, spec.views if mode == "train" else 1, mode, where)
 
@@ -112,7 +112,7 @@ class PrepActor:
     def held_out(self, spec: DataSpec) -> tuple[np.ndarray, Probe]:
         """The held-out indices of ``spec``'s dataset, in index order, and their probe."""
         n, found = self.probe(spec, "eval")
-        return holdout_split(n, spec.holdout)[1], found
+        return held_out(spec, n), found
 
     def prepare_eval(self, key: str, box: SpecBox, indices: np.ndarray,
                      layout: Layout) -> tuple[tuple[tuple[tuple[int, str, str], ...], int], PreparedChunk]:

@@ -49,14 +49,17 @@ consumer's process, ``watch.py``), or when the lease detaches it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any
 
+import numpy as np
 import ray
 
 from coordinated_prep import metrics
-from coordinated_prep.errors import PrepError
+from coordinated_prep.errors import ConfigError, PrepError
+from coordinated_prep.pipeline.part import part_ids
 from coordinated_prep.pipeline.probe import Probe
 from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.pipeline.sources.fingerprint import Fingerprint, index_fingerprint
@@ -103,6 +106,7 @@ class Coordinator(Producer):
         self.layout = found.layout
         self.box = [ray.put(spec)]  # owned here: each prep actor fetches the spec (and its dataset) once
         self.plan = stream_plan(samples, spec.seed, spec.holdout, spec.chunk_size, spec.segments)
+        self.dataset_samples = samples  # a trial reading a part of the split finds it from this (pipeline/part.py)
         node_id = ray.get_runtime_context().get_node_id()
         n_actors = len(actors)
         lookahead = spec.lookahead or max(8, 4 * n_actors)
@@ -132,6 +136,9 @@ class Coordinator(Producer):
         # detached consumers still running
         self.evicted: dict[str, int] = {}
         self.skipped: set[int] = set()  # samples left out under on_error="skip" (bounded by the dataset)
+        # consumer -> the sorted samples of its part of the split, for those reading a part (bounded by
+        # the consumers that joined): what it is served of each piece
+        self.parts: dict[str, np.ndarray] = {}
 
         self.producer: asyncio.Task | None = None
         self.settling: set[asyncio.Task] = set()  # strong references: asyncio keeps only weak ones
@@ -151,7 +158,8 @@ class Coordinator(Producer):
         metrics.declare_group(self.group)  # exported at 0 from the start: the dashboard shows 0, not "No data"
 
     # -- trial-facing API -------------------------------------------------------------------
-    async def join(self, trial: str, epochs: int | None = None, process: Process | None = None) -> dict[str, Any]:
+    async def join(self, trial: str, epochs: int | None = None, process: Process | None = None,
+                   part: dict[str, Any] | None = None) -> dict[str, Any]:
         """Register consumer ``trial`` (a trial id, ``#k`` appended for its k-th loader) reading
         ``epochs`` epochs (None: until it leaves).
 
@@ -163,6 +171,8 @@ class Coordinator(Producer):
                 trials without telling a search algorithm). A trial id joining from a Tune actor
                 that another trial id's consumers came from means Tune reused the actor: those
                 consumers are released at once.
+            part: The trial's part fields (``subset``, ``fraction``, ``fold``) when it reads a part of
+                the split: it is served only its part's samples of each piece, so only those count.
 
         Returns:
             Where its first epoch starts, the epoch size, the piece size, its incarnation token and
@@ -176,6 +186,7 @@ class Coordinator(Producer):
         self.evicted.pop(trial, None)
         self.stats["trials_joined"] += 1
         self.stats["starts"][trial] = start  # the piece its first epoch starts on; bounded by the trials that joined
+        self._note_part(trial, part)
         metrics.declare_trial(self.group, trial.split("#", 1)[0])  # here too: this process outlives the trial's
         if process is not None:
             for other in self.watch.add(trial, token, Process(*process)):
@@ -186,7 +197,8 @@ class Coordinator(Producer):
         await self._notify()
         return {"token": token, "start": start, "chunks_per_epoch": self.plan.chunks_per_epoch,
                 "chunk_size": self.plan.chunk_size, "consumer": trial,
-                "samples_per_epoch": self.plan.samples_per_epoch, "name": self.name}
+                "samples_per_epoch": self.plan.samples_per_epoch, "dataset_samples": self.dataset_samples,
+                "name": self.name}
 
     async def join_point(self) -> int:
         """The first piece a trial joining now would start on (the registry's rendezvous of ranks asks)."""
@@ -233,7 +245,8 @@ class Coordinator(Producer):
         await self._notify()
         return {"tokens": tokens, "info": {"start": start, "chunks_per_epoch": self.plan.chunks_per_epoch,
                                            "chunk_size": self.plan.chunk_size, "name": self.name,
-                                           "samples_per_epoch": self.plan.samples_per_epoch}}
+                                           "samples_per_epoch": self.plan.samples_per_epoch,
+                                           "dataset_samples": self.dataset_samples}}
 
     async def fetch(self, trial: str, token: int, g: int, timeout_s: float, waited_s: float = 0.0) -> dict[str, Any]:
         """Wait (at most ``timeout_s``) for piece ``g`` and hand ``trial`` (incarnation ``token``) a reference.
@@ -287,11 +300,26 @@ class Coordinator(Producer):
             raise PrepError(f"trial {trial}: preparing piece {g} (epoch {self.plan.locate(g)[0]}) failed: {slot.payload}")
         ref, n = slot.payload
         self.buffer.fetched(trial, g, n)
+        if trial in self.parts:  # the rows of its part, pro rata of the planned samples (exact without skips)
+            planned = self.plan.chunk_samples(g)
+            n = n * int(np.isin(planned, self.parts[trial]).sum()) // max(len(planned), 1)
         if _counts_served(trial):
             self.stats["samples_served"] += n
             metrics.inc("samples_served", n, group=self.group, trial=trial)
         await self._notify()
         return {"status": "ok", "ref": ref}
+
+    def _note_part(self, consumer: str, part: dict[str, Any] | None) -> None:
+        """Remember the samples ``consumer`` reads when it reads a part of the split (a part the dataset
+        cannot hold is not: the trial's loader raises naming it)."""
+        self.parts.pop(consumer, None)
+        if part:
+            try:
+                ids = part_ids(dataclasses.replace(self.spec, **part), self.dataset_samples)
+            except ConfigError:
+                return
+            if ids is not None:
+                self.parts[consumer] = ids
 
     async def leave(self, trial: str, token: int | None = None) -> None:
         """Unregister ``trial`` (only incarnation ``token`` if given); pieces only it still needed are freed."""

@@ -51,13 +51,19 @@ def eval_key(spec: DataSpec) -> str:
 
         fields = {"dataset": object_key(spec.dataset, "data.dataset"), "holdout": spec.holdout, "seed": spec.seed,
                   **{n: object_key(getattr(spec, n), f"data.{n}")
-                     for n in ("eval_transform", "eval_transforms", "target_transform")}}
+                     for n in ("eval_transform", "eval_transforms", "target_transform")}, **_fold(spec)}
         return "eval-" + hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     pipeline = spec.pipeline
     fields = {"dataset": spec.dataset, "holdout": spec.holdout, "size": pipeline.size,  # type: ignore[union-attr]
-              "eval_resize": pipeline.eval_resize, "backend": pipeline.backend}  # type: ignore[union-attr]
+              "eval_resize": pipeline.eval_resize, "backend": pipeline.backend,  # type: ignore[union-attr]
+              **_fold(spec)}
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     return f"eval-{pipeline.size}px-{digest}"  # type: ignore[union-attr]
+
+
+def _fold(spec: DataSpec) -> dict[str, Any]:
+    """A cross-validation trial evaluates on its fold (:func:`~coordinated_prep.pipeline.part.held_out`)."""
+    return {} if spec.fold is None else {"fold": list(spec.fold)}
 
 
 def eval_pieces(held: np.ndarray, chunk_size: int) -> list[np.ndarray]:

@@ -137,7 +137,7 @@ class DataSearch:
             context = f" (with {', '.join(others)})" if others else ""
             raise ConfigError(f"{blame}{context}: {e}; change the values searched, or the base value under data") \
                 from None
-        specs.setdefault(spec.group_key, (dict(values), spec))
+        specs.setdefault(spec._key, (dict(values), spec))  # each part too: a subset or fold may not fit the data
 
 
 def candidates_of(value: Any) -> list[Any]:

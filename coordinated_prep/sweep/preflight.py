@@ -33,17 +33,20 @@ def preflight(cfg: Any) -> int:
             prepared, naming the file, the ``data`` key, the searched values that made the spec and the cause.
     """
     variants = cfg.data_search.variants(cfg.search_space) if cfg.data_search is not None else [({}, cfg.data)]
+    probed: set[str] = set()  # specs that differ only in their part (fold, fraction, subset) probe once
     for values, spec in variants:
         where = "data" + (f" with {describe_values(values)}" if values else "")
         try:
-            try_spec(spec, where)
+            try_spec(spec, where, probe_it=spec.group_key not in probed)
+            probed.add(spec.group_key)
         except CoordinatedPrepError as e:
             raise ConfigError(f"{cfg.path}: {e}") from None
     return len(variants)
 
 
-def try_spec(spec: DataSpec, where: str = "data") -> None:
-    """Build ``spec``'s factories and prepare its first training and held-out samples here.
+def try_spec(spec: DataSpec, where: str = "data", probe_it: bool = True) -> None:
+    """Build ``spec``'s factories and prepare its first training and held-out samples here (with
+    ``probe_it``; without, for a spec whose group was probed already, only its part is checked).
 
     Raises:
         ConfigError: As :func:`preflight` (``where`` names the spec).
@@ -51,7 +54,7 @@ def try_spec(spec: DataSpec, where: str = "data") -> None:
     """
     from coordinated_prep.pipeline.probe import probe, train_indices
     from coordinated_prep.pipeline.transforms import make_pipeline
-    from coordinated_prep.plan import holdout_split
+    from coordinated_prep.pipeline.part import held_out, part_ids
 
     for name in ("dataset", *TRANSFORM_FIELDS):
         value = getattr(spec, name)
@@ -60,8 +63,10 @@ def try_spec(spec: DataSpec, where: str = "data") -> None:
     try:
         pipeline = make_pipeline(spec)
         n = len(pipeline)
-        probe(pipeline, spec.seed, train_indices(n, spec.holdout), spec.ragged, spec.views, "train", where)
-        probe(pipeline, spec.seed, holdout_split(n, spec.holdout)[1], spec.ragged, 1, "eval", f"{where} (evaluation)")
+        part_ids(spec, n)  # a subset's indices are in the training split; folds are not empty
+        if probe_it:
+            probe(pipeline, spec.seed, train_indices(n, spec.holdout), spec.ragged, spec.views, "train", where)
+            probe(pipeline, spec.seed, held_out(spec, n), spec.ragged, 1, "eval", f"{where} (evaluation)")
     except CoordinatedPrepError as e:
         raise ConfigError(f"{where}: {e}" if not str(e).startswith(where) else str(e)) from None
 

@@ -7,6 +7,8 @@ import math
 import os
 from typing import Any, Mapping, Sequence
 
+from coordinated_prep.pipeline.part import PART_FIELDS
+
 _TRIAL_COLUMNS = ("trial", "status", "epochs", "metric", "stall_fraction", "batch_size")
 
 
@@ -40,8 +42,10 @@ def build_summary(trials: Sequence[Mapping[str, Any]], groups: Mapping[str, Mapp
 
 
 def searched_data(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The data keys of a trial config (``data.pipeline.scale.0``: the values a sweep searched inside ``data``)."""
-    return {k: v for k, v in config.items() if k.startswith("data.")}
+    """The data keys of a trial config that name its data group (``data.pipeline.scale.0``: the values a
+    sweep searched inside ``data``); not its part of the split (``data.fold.1``, ``data.fraction``),
+    which the trials of one group differ in (:mod:`coordinated_prep.pipeline.part`)."""
+    return {k: v for k, v in config.items() if k.startswith("data.") and k.split(".")[1] not in PART_FIELDS}
 
 
 def format_searched(values: Mapping[str, Any]) -> str:

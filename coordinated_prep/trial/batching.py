@@ -183,9 +183,11 @@ class Batcher:
                     break
                 if self._left is not None:
                     self._left -= 1
+                if not len(piece):  # every row skipped, or none in the trial's part: nothing to cut
+                    continue
                 self._pending.append((piece, 0))
                 self._have += len(piece)
-                self._piece_len = len(piece) or self._piece_len
+                self._piece_len = len(piece)
             if not self._have:
                 return None
             n = min(self.batch_size, self._have)

@@ -8,11 +8,11 @@ from typing import Any, Callable, Iterator, Mapping
 from coordinated_prep.context import whereabouts
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.pipeline.transforms import make_pipeline
-from coordinated_prep.plan import holdout_split
+from coordinated_prep.pipeline.part import held_out
 from coordinated_prep.spec import DataSpec, resolve_spec
 from coordinated_prep.trial.batching import Batch, batched
 from coordinated_prep.trial.eval_stream import private_eval_pieces, shared_eval_pieces
-from coordinated_prep.trial.streams import has_registry
+from coordinated_prep.trial.calls import has_registry
 
 
 def check_collate(collate_fn: Any, who: str) -> None:
@@ -42,7 +42,7 @@ class EvalLoader:
 
     def __len__(self) -> int:
         if self._batches is None:
-            held = len(holdout_split(len(make_pipeline(self.spec)), self.spec.holdout)[1])
+            held = len(held_out(self.spec, len(make_pipeline(self.spec))))
             self._batches = math.ceil(held / self.batch_size)
         return self._batches
 

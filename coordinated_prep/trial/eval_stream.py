@@ -10,11 +10,12 @@ import ray
 
 from coordinated_prep.pipeline.chunk import PreparedChunk, eval_chunk
 from coordinated_prep.stream.eval_set import STREAM_AHEAD, eval_pieces
-from coordinated_prep.plan import holdout_split, piece_size
+from coordinated_prep.pipeline.part import held_out
+from coordinated_prep.plan import piece_size
 from coordinated_prep.pipeline.probe import probe
 from coordinated_prep.pipeline.transforms import make_pipeline
 from coordinated_prep.spec import DataSpec
-from coordinated_prep.trial.streams import fetch, find_registry
+from coordinated_prep.trial.calls import fetch, find_registry
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 def private_eval_pieces(spec: DataSpec) -> Iterator[PreparedChunk]:
     """The held-out split in index order, prepared in this process (unshared, or outside Tune)."""
     pipeline = make_pipeline(spec)
-    _, held = holdout_split(len(pipeline), spec.holdout)
+    held = held_out(spec, len(pipeline))  # the held-out split, or the trial's validation fold
     layout = probe(pipeline, spec.seed, held, spec.ragged, 1, "eval", "data (evaluation)").layout
     for indices in eval_pieces(held, piece_size(spec.chunk_size, len(held))):
         skipped: list[tuple[int, str, str]] = []

@@ -11,6 +11,8 @@ import warnings
 import weakref
 from typing import Any, Callable, Generator, Iterator, Mapping
 
+import numpy as np
+
 from coordinated_prep import metrics
 from coordinated_prep.context import whereabouts
 from coordinated_prep.errors import ConfigError
@@ -19,8 +21,10 @@ from coordinated_prep.trial.batching import Batch, Batcher, BatchStats
 from coordinated_prep.trial.echo import EchoCounts, EchoSpec, echoed, epoch_rng
 from coordinated_prep.trial.eval_loader import EvalLoader, check_collate, eval_loader  # noqa: F401  (re-exported)
 from coordinated_prep.trial.pinning import _accelerator, pinned
-from coordinated_prep.trial.shard import Shard, ShardBatcher, filled, planned_len, rank_counts, rank_steps
-from coordinated_prep.trial.streams import PieceStream, PrivateStream, SharedStream, find_registry, has_registry
+from coordinated_prep.trial.calls import find_registry, has_registry
+from coordinated_prep.trial.subset import part_of, restricted
+from coordinated_prep.trial.shard import Shard, ShardBatcher, check_data_parallel, rank_batches, rank_steps
+from coordinated_prep.trial.streams import PieceStream, PrivateStream, SharedStream
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +54,18 @@ class TrainLoader:
         shard: This rank's share of each epoch in a data-parallel trial
             (:mod:`coordinated_prep.trial.shard`); None: the whole epoch.
         collate_fn: Builds each batch's :attr:`~Batch.data` from its samples (see :func:`train_loader`).
+        part: Sorted dataset indices of the trial's part of the training split
+            (:mod:`coordinated_prep.pipeline.part`); None: the whole split.
     """
 
     def __init__(self, stream: PieceStream, batch_size: int, epochs: int | None = None,
                  tags: Mapping[str, str] | None = None, echo: EchoSpec | None = None, views: int = 1,
                  seed: int = 0, pin_memory: bool = False, shard: Shard | None = None,
-                 collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
+                 collate_fn: Callable[[list[Any]], Any] | None = None, part: np.ndarray | None = None) -> None:
         self._stream = stream
+        self._part = part
+        # samples of an epoch: the trial's part of the split (its rows of every piece), or the whole split
+        self._epoch_samples = stream.samples_per_epoch if part is None else int(part.size)
         self.shard = shard
         self.batch_size = batch_size
         self.epochs = epochs
@@ -66,7 +75,7 @@ class TrainLoader:
         metrics.declare_trial(self._tags.get("group", "-"), self._tags.get("trial", "-"))  # at 0 from the start
         self.epoch = 0
         # fresh samples per epoch (this rank's share, its pads included, in a data-parallel trial)
-        self.samples_per_epoch = shard.samples(stream.samples_per_epoch) if shard else stream.samples_per_epoch
+        self.samples_per_epoch = shard.samples(self._epoch_samples) if shard else self._epoch_samples
         self.echo = echo or EchoSpec()
         self.views = views
         self._seed = seed
@@ -134,7 +143,7 @@ class TrainLoader:
                 ``fresh_batches_per_epoch`` to size a schedule.
         """
         if self.shard is not None:  # the rank's rows of the epoch's rows (samples x views), then echo
-            n = rank_steps(self._stream.samples_per_epoch, self.views, self.batch_size, self.shard, self.echo)
+            n = rank_steps(self._epoch_samples, self.views, self.batch_size, self.shard, self.echo)
         else:
             n = self.echo.batches_per_epoch(self.views * self.samples_per_epoch, self.batch_size)
         if n is None:
@@ -235,7 +244,7 @@ class TrainLoader:
             self._stream.skip_to(first)  # its rest is passed over, so this epoch is again exactly one pass
         self.epoch_counts = EchoCounts()
         if self.shard is None:
-            pieces = (self._stream.next_piece() for _ in range(self._stream.chunks_per_epoch))
+            pieces = restricted((self._stream.next_piece() for _ in range(self._stream.chunks_per_epoch)), self._part)
             fresh = Batcher(pieces, self.batch_size, self.stats, self._stream.ready, self._stream.chunks_per_epoch)
         else:
             fresh = self._rank_batches(self.shard)  # type: ignore[assignment]
@@ -243,16 +252,9 @@ class TrainLoader:
         yield from echoed(fresh, self.echo, epoch_rng(self._seed, self._stream.start, epoch))
 
     def _rank_batches(self, shard: Shard) -> ShardBatcher:
-        """This rank's batches of the epoch: its node's pieces put back to their planned lengths (a
-        sample skipped on this node leaves a pad, not a shift), cut into global batches of
-        ``world x batch_size`` of which it keeps its rows (:mod:`coordinated_prep.trial.shard`)."""
-        s = self._stream
-        numbered = ((s.position, s.next_piece()) for _ in range(s.chunks_per_epoch))
-        pieces = filled(numbered, lambda g: planned_len(g, s.samples_per_epoch, s.chunk_size, s.chunks_per_epoch),
-                        s.chunk_samples, f"rank {shard.rank} of {shard.world} (trial {self._trial})")
-        whole = Batcher(pieces, self.batch_size * shard.world, self.stats, s.ready, s.chunks_per_epoch)
-        return ShardBatcher(whole, self.batch_size, shard, rank_counts(self.views * s.samples_per_epoch,
-                                                                       self.batch_size, shard)[1])
+        """This rank's batches of the epoch (:func:`~coordinated_prep.trial.shard.rank_batches`)."""
+        return rank_batches(self._stream, self.batch_size, self.views * self._epoch_samples, shard, self._part,
+                            self.stats, f"rank {shard.rank} of {shard.world} (trial {self._trial})")
 
     def close(self) -> None:
         """Leave the data group now instead of when Tune reports the trial finished."""
@@ -343,7 +345,7 @@ def train_loader(
     where = whereabouts(spec._trial or None)
     shard = Shard(where.rank, where.world, drop_last) if where.world > 1 else None
     if shard is not None:
-        _check_data_parallel(spec, echo_spec, shard, where.trial or _OUTSIDE_TUNE)
+        check_data_parallel(spec, echo_spec, shard, where.trial or _OUTSIDE_TUNE)
     trial = where.trial or _OUTSIDE_TUNE
     options = {"echo": echo_spec, "views": spec.views, "seed": spec.seed, "pin_memory": pin_memory, "shard": shard,
                "collate_fn": collate_fn}
@@ -360,13 +362,13 @@ def train_loader(
         if num_workers is None:
             num_workers = 0 if where.trial is not None else min(8, os.cpu_count() or 1)
         stream = PrivateStream(spec, workers=num_workers, prefetch=prefetch or 2)
-        return _checked(TrainLoader(stream, batch_size, epochs, tags, **options))
+        return _checked(TrainLoader(stream, batch_size, epochs, tags, part=part_of(spec, stream), **options))
     _LOADERS[trial] += 1  # a trial's k-th loader is its own consumer: several loaders per trial work
     consumer = trial if _LOADERS[trial] == 1 else f"{trial}#{_LOADERS[trial]}"
     rank = None if shard is None else (shard.rank, shard.world)
     cut = batch_size * where.world  # a rank cuts global batches: prefetch covers those
-    return _checked(TrainLoader(SharedStream(spec, trial, consumer, cut, prefetch, epochs, rank), batch_size,
-                                epochs, tags, **options))
+    stream = SharedStream(spec, trial, consumer, cut, prefetch, epochs, rank)
+    return _checked(TrainLoader(stream, batch_size, epochs, tags, part=part_of(spec, stream), **options))
 
 
 def _checked(loader: TrainLoader) -> TrainLoader:
@@ -379,17 +381,6 @@ def _checked(loader: TrainLoader) -> TrainLoader:
         raise ConfigError(f"train_loader: an epoch of {loader._stream.samples_per_epoch} samples over {loader.world} "
                           "ranks with drop_last=True leaves each rank nothing; use drop_last=False or fewer ranks")
     return loader
-
-
-def _check_data_parallel(spec: DataSpec, echo: EchoSpec, shard: Shard, trial: str) -> None:
-    """Refuse what would give the ranks of a data-parallel trial unequal epochs (an all-reduce would hang)."""
-    who = f"train_loader (trial {trial}, rank {shard.rank} of {shard.world})"
-    if echo.mode == "auto":
-        raise ConfigError(f"{who}: echo='auto' echoes while this rank's data is late, so ranks would cut different "
-                          "numbers of batches and DDP's all-reduce would hang; use echo='example:e' or 'batch:e'")
-    if spec.views > 1:
-        raise ConfigError(f"{who}: data.views={spec.views} lays a piece's views one after another, so the ranks would "
-                          "get unequal fresh samples; use views=1 with echo='example:e' for repeats")
 
 
 def _warn_unshared(why: str) -> None:

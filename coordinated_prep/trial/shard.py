@@ -50,6 +50,7 @@ import numpy as np
 
 from coordinated_prep.errors import ConfigError, PrepError
 from coordinated_prep.trial.batching import Batch, Batcher, select
+from coordinated_prep.trial.subset import kept, planned_in_part
 
 if TYPE_CHECKING:
     from coordinated_prep.trial.echo import EchoSpec
@@ -124,6 +125,38 @@ def planned_len(g: int, samples: int, chunk_size: int, chunks: int) -> int:
     """Samples the plan puts in piece ``g`` (:meth:`coordinated_prep.plan.StreamPlan.chunk_len`)."""
     chunk = g % chunks
     return chunk_size if chunk < chunks - 1 else samples - chunk * chunk_size
+
+
+def check_data_parallel(spec: Any, echo: EchoSpec, shard: Shard, trial: str) -> None:
+    """Refuse what would give the ranks of a data-parallel trial unequal epochs (an all-reduce would hang)."""
+    who = f"train_loader (trial {trial}, rank {shard.rank} of {shard.world})"
+    if echo.mode == "auto":
+        raise ConfigError(f"{who}: echo='auto' echoes while this rank's data is late, so ranks would cut different "
+                          "numbers of batches and DDP's all-reduce would hang; use echo='example:e' or 'batch:e'")
+    if spec.views > 1:
+        raise ConfigError(f"{who}: data.views={spec.views} lays a piece's views one after another, so the ranks would "
+                          "get unequal fresh samples; use views=1 with echo='example:e' for repeats")
+
+
+def rank_batches(stream: Any, batch_size: int, rows: int, shard: Shard, part: np.ndarray | None,
+                 stats: Any, who: str) -> "ShardBatcher":
+    """One rank's batches of an epoch of ``stream``: its node's pieces (each cut to the trial's ``part``,
+    :mod:`coordinated_prep.trial.subset`) put back to their planned lengths (a sample skipped on this
+    node leaves a pad, not a shift), cut into global batches of ``world x batch_size`` of which it keeps
+    its rows. ``rows``: the epoch's rows (samples x views) over all ranks."""
+    s = stream
+    numbered: Iterable[tuple[int, Any]] = ((s.position, s.next_piece()) for _ in range(s.chunks_per_epoch))
+    if part is None:
+        length: Callable[[int], int] = lambda g: planned_len(g, s.samples_per_epoch, s.chunk_size,  # noqa: E731
+                                                             s.chunks_per_epoch)
+        planned: Callable[[int], np.ndarray] = s.chunk_samples
+    else:  # the part's rows of each piece, and its places in the plan
+        numbered = ((g, kept(piece, part)) for g, piece in numbered)
+        planned = lambda g: planned_in_part(s.chunk_samples(g), part)  # noqa: E731
+        length = lambda g: len(planned(g))  # noqa: E731
+    whole = Batcher(filled(numbered, length, planned, who), batch_size * shard.world, stats, s.ready,
+                    s.chunks_per_epoch)
+    return ShardBatcher(whole, batch_size, shard, rank_counts(rows, batch_size, shard)[1])
 
 
 class ShardBatcher:

@@ -13,12 +13,13 @@ import numpy as np
 import ray
 
 from coordinated_prep.pipeline.chunk import PreparedChunk, prepare_chunk
+from coordinated_prep.pipeline.part import part_fields, prepared_plan
 from coordinated_prep.pipeline.probe import probe, train_indices
 from coordinated_prep.pipeline.seeding import in_process
 from coordinated_prep.pipeline.transforms import make_pipeline
+from coordinated_prep.trial.calls import fetch, find_registry
 from coordinated_prep.trial.workers import WorkerPieces
-from coordinated_prep.errors import ConfigError, PrepError
-from coordinated_prep.naming import NAMESPACE, registry_name
+from coordinated_prep.errors import PrepError
 from coordinated_prep.plan import StreamPlan, stream_plan
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.context import worker_group
@@ -34,6 +35,7 @@ class PieceStream(Protocol):
     chunks_per_epoch: int
     samples_per_epoch: int
     chunk_size: int  # samples the plan puts in a piece (the epoch's last may hold fewer)
+    dataset_samples: int  # samples in the dataset (training and held out): a trial's part is found from it
     coordinator: str | None  # name of the coordinator serving it; None when private
     private_samples: int  # samples this process prepared itself
 
@@ -86,7 +88,9 @@ class PrivateStream:
         n = len(self._pipeline)
         self._layout = probe(self._pipeline, spec.seed, train_indices(n, spec.holdout), spec.ragged, spec.views).layout
         self._plan = stream_plan(n, spec.seed, spec.holdout, spec.chunk_size, spec.segments)
-        self._workers = WorkerPieces(spec, self._plan, self._layout, workers, prefetch) if workers > 0 else None
+        self._prepared = prepared_plan(self._plan, spec, n)  # a trial reading a part prepares only its samples
+        self._workers = WorkerPieces(spec, self._prepared, self._layout, workers, prefetch) if workers > 0 else None
+        self.dataset_samples = n
         self.start = 0
         self.coordinator = None
         self.chunks_per_epoch = self._plan.chunks_per_epoch
@@ -118,7 +122,7 @@ class PrivateStream:
 
     def _prepare(self, g: int) -> PreparedChunk:
         epoch, _ = self._plan.locate(g)
-        return prepare_chunk(self._pipeline, self._layout, self._spec.seed, epoch, self._plan.chunk_samples(g),
+        return prepare_chunk(self._pipeline, self._layout, self._spec.seed, epoch, self._prepared.chunk_samples(g),
                              self._spec.on_error, self._spec.views)[0]
 
     def close(self) -> None:
@@ -157,11 +161,12 @@ class SharedStream:
                                    f"piece {info['start']}")
             info.update(token=-1, chunks_per_epoch=self._fallback.chunks_per_epoch,  # -1: no incarnation to leave
                         samples_per_epoch=self._fallback.samples_per_epoch,
-                        chunk_size=self._fallback._plan.chunk_size)
+                        chunk_size=self._fallback._plan.chunk_size, dataset_samples=self._fallback.dataset_samples)
         self.start: int = info["start"]
         self.chunks_per_epoch: int = info["chunks_per_epoch"]
         self.samples_per_epoch: int = info["samples_per_epoch"]
         self.chunk_size: int = info["chunk_size"]
+        self.dataset_samples: int = info["dataset_samples"]
         self._plan: StreamPlan | None = None  # built only if a data-parallel rank meets a piece short of samples
         self.coordinator: str = info["name"]
         self._token: int = info["token"]
@@ -206,7 +211,7 @@ class SharedStream:
             self._coordinator = self._call(registry.group_for.remote(self._spec, trial, node, process),
                                            "finding its data group")  # a run without Tune leaves when it ends
             try:
-                return self._call(self._coordinator.join.remote(self._trial, epochs, process),
+                return self._call(self._coordinator.join.remote(self._trial, epochs, process, part_fields(self._spec)),
                                   "joining its data group")
             except PrepError as e:
                 if attempt == 2 or not isinstance(e.__cause__, ray.exceptions.RayActorError):
@@ -352,47 +357,3 @@ def _leave_unawaited(coordinator: Any, consumer: str, token: int) -> None:
         coordinator.leave.remote(consumer, token)
     except Exception as e:  # Ray shut down already: the coordinator's watch or the registry releases it
         logger.debug("consumer %s could not leave %r at collection: %r", consumer, coordinator, e)
-
-
-def has_registry() -> bool:
-    """Whether a group registry runs in this Ray job (a CoordinatedSearcher's or a PrepService's)."""
-    if not ray.is_initialized():
-        return False
-    try:
-        ray.get_actor(registry_name(ray.get_runtime_context().get_job_id()), namespace=NAMESPACE)
-    except ValueError:
-        return False
-    return True
-
-
-def find_registry(trial: str) -> Any:
-    """The sweep's group registry, found by this Ray job (the driver's, which runs the sweep).
-
-    Raises:
-        ConfigError: No CoordinatedSearcher runs this sweep.
-    """
-    job = ray.get_runtime_context().get_job_id()
-    try:
-        return ray.get_actor(registry_name(job), namespace=NAMESPACE)
-    except ValueError:
-        raise ConfigError(
-            f"trial {trial}: config has a DataSpec with coordinated=True, but no CoordinatedSearcher runs this "
-            "sweep (no data-group registry in this Ray job): run it with search_alg=CoordinatedSearcher() "
-            "(tune.run or tune.TuneConfig) and keep the searcher open until the sweep ends, or set "
-            "coordinated=False"
-        ) from None
-
-
-def fetch(ref: ray.ObjectRef, trial: str, doing: str, timeout: float) -> Any:
-    """``ray.get(ref)`` within ``timeout``; any failure is a PrepError naming ``trial`` and what it was doing."""
-    try:
-        return ray.get(ref, timeout=timeout)
-    except ray.exceptions.GetTimeoutError:
-        raise PrepError(f"trial {trial}: timed out after {timeout}s {doing}") from None
-    except ray.exceptions.RayTaskError as e:
-        cause = e.cause if isinstance(getattr(e, "cause", None), PrepError) else e
-        raise PrepError(f"trial {trial}: {doing} failed: {cause}") from e
-    except ray.exceptions.RayActorError as e:
-        raise PrepError(f"trial {trial}: the actor serving it died while {doing}: {e}") from e
-    except ray.exceptions.RayError as e:  # e.g. the piece was lost with its owner
-        raise PrepError(f"trial {trial}: {doing} failed: {e}") from e
