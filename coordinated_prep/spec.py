@@ -134,7 +134,8 @@ class DataSpec:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """A spec pickled before the part fields existed (an experiment to restore) reads the whole split."""
+        """A spec pickled before the part fields existed (an experiment to restore) reads the whole split,
+        and its key is then its group key, as a spec built now without a part."""
         self.__dict__.update({name: None for name in PART_FIELDS if name not in state})
         self.__dict__.update(state)
         if "_group" not in state:  # its key then had no part fields: the group key is that key
@@ -218,6 +219,8 @@ class DataSpec:
         for f in dataclasses.fields(self):
             if f.name in ("_key", "_group", "_trial") or f.name in leave_out:
                 continue
+            if f.name in PART_FIELDS and getattr(self, f.name) is None:
+                continue  # a spec without a part has the key it had before parts existed: its group key
             value = getattr(self, f.name)
             if f.name == "dataset" or f.name in TRANSFORM_FIELDS:
                 value = object_key(value, f"data.{f.name}")

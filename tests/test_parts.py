@@ -124,9 +124,9 @@ def test_a_five_fold_cross_validation_of_two_configs_from_yaml_prepares_each_sam
                 chunk_size: 16, segments: 4}}
         search_space: {{data.fold.1: {{grid: [0, 1, 2, 3, 4]}}, batch_size: {{grid: [8, 12]}}, epochs: 2,
                         evaluate: true, out: {tmp_path / "records"}}}
-        max_concurrent_trials: 10
+        max_concurrent_trials: 4
         reuse_actors: true
-        resources_per_trial: {{cpu: 0.1}}
+        resources_per_trial: {{cpu: 0.25}}
         metric: score
     """))
     cfg = load_sweep(str(path))
@@ -165,6 +165,7 @@ def test_data_parallel_ranks_split_their_part_of_each_epoch_in_equal_steps(small
     from coordinated_prep.trial.loader import TrainLoader
     from coordinated_prep.trial.shard import Shard
     from coordinated_prep.trial.streams import PrivateStream
+    from coordinated_prep.trial.subset import Part
 
     spec = DataSpec(dataset=small_dataset, coordinated=False, chunk_size=16, seed=3, pipeline={"size": 16},
                     fold=(4, 1))
@@ -172,7 +173,7 @@ def test_data_parallel_ranks_split_their_part_of_each_epoch_in_equal_steps(small
     fresh, steps = [], set()
     for rank in range(world):
         stream = PrivateStream(dataclasses.replace(spec, fold=None) if whole else spec)
-        loader = TrainLoader(stream, 5, epochs=1, shard=Shard(rank, world, drop_last), part=ids)
+        loader = TrainLoader(stream, 5, epochs=1, shard=Shard(rank, world, drop_last), part=Part(ids, 180))
         batches = list(loader)
         steps.add(len(batches))
         assert len(batches) == len(loader)
@@ -181,3 +182,36 @@ def test_data_parallel_ranks_split_their_part_of_each_epoch_in_equal_steps(small
     got = np.concatenate(fresh)
     assert np.unique(got).size == got.size and np.isin(got, ids).all(), "fresh rows disjoint, inside the fold"
     assert got.size == (ids.size // world * world if drop_last else ids.size)
+
+
+def test_a_part_of_shared_pieces_equals_the_pieces_prepared_for_the_part_with_views_and_ragged_leaves():
+    """What a shared trial keeps of whole pieces (views laid view-major, ragged rows, an uneven last
+    piece) equals what it prepares alone for its part: rows, repeats, epochs and bytes; and no kept row
+    holds on to a whole piece."""
+    from coordinated_prep.trial.loader import TrainLoader
+    from coordinated_prep.trial.streams import PrivateStream
+    from coordinated_prep.trial.subset import Part, PartPiece
+    from tests.test_structure import Samples
+
+    boxes = lambda i: (np.full((2, 4, 4), i, np.uint8), {"boxes": np.full((i % 4, 4), i, np.float32)})  # noqa: E731
+    spec = DataSpec(dataset=Samples(boxes, n=70), coordinated=False, holdout=0.0, chunk_size=16, segments=2, views=2,
+                    fraction=0.4)
+    whole = PrivateStream(dataclasses.replace(spec, fraction=None))
+    part = Part(part_ids(spec, 70), 70)
+    shared_like, alone = (TrainLoader(s, 6, epochs=2, views=2, part=p)
+                          for s, p in ((whole, part), (PrivateStream(spec), part)))
+    for _ in range(2):
+        a, b = list(shared_like), list(alone)
+        assert len(a) == len(b) == len(shared_like) == len(alone) == -(-2 * part.size // 6)
+        for x, y in zip(a, b, strict=True):
+            for name in ("indices", "repeats", "stream_epochs"):
+                assert torch.equal(getattr(x, name), getattr(y, name)), name
+            assert torch.equal(x.images, y.images)
+            assert all(torch.equal(p, q) for p, q in zip(x.labels["boxes"], y.labels["boxes"], strict=True))
+        rows = torch.cat([x.indices for x in a])
+        fresh = rows[torch.cat([x.repeats for x in a]) == 0]
+        assert sorted(fresh.tolist()) == part.ids.tolist() and rows.numel() == 2 * part.size
+    piece = whole.next_piece()
+    cut = PartPiece(piece, np.array([1, 3]))
+    assert all(r.base is None for r in cut.leaves[1]), "a kept ragged row is a copy, not a view of the piece"
+    assert cut.row_labels[1].tolist() == [0, 0] and cut.indices.tolist() == piece.indices[[1, 3]].tolist()

@@ -49,9 +49,9 @@ consumer's process, ``watch.py``), or when the lease detaches it.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -59,7 +59,7 @@ import ray
 
 from coordinated_prep import metrics
 from coordinated_prep.errors import ConfigError, PrepError
-from coordinated_prep.pipeline.part import part_ids
+from coordinated_prep.pipeline.part import part_ids, part_mask
 from coordinated_prep.pipeline.probe import Probe
 from coordinated_prep.pipeline.sources import open_source
 from coordinated_prep.pipeline.sources.fingerprint import Fingerprint, index_fingerprint
@@ -136,9 +136,10 @@ class Coordinator(Producer):
         # detached consumers still running
         self.evicted: dict[str, int] = {}
         self.skipped: set[int] = set()  # samples left out under on_error="skip" (bounded by the dataset)
-        # consumer -> the sorted samples of its part of the split, for those reading a part (bounded by
-        # the consumers that joined): what it is served of each piece
-        self.parts: dict[str, np.ndarray] = {}
+        # consumer -> its part of the split, for the consumers reading one now (until they leave), and
+        # each distinct part's mask over the dataset (while a consumer reads it): what it is served of each piece
+        self.parts: dict[str, str] = {}
+        self.part_masks: dict[str, np.ndarray] = {}
 
         self.producer: asyncio.Task | None = None
         self.settling: set[asyncio.Task] = set()  # strong references: asyncio keeps only weak ones
@@ -205,7 +206,7 @@ class Coordinator(Producer):
         return self.buffer.join_point()
 
     async def join_ranks(self, trial: str, ranks: dict[int, Process | None], world: int, start: int,
-                         epochs: int | None) -> dict[str, Any] | None:
+                         epochs: int | None, part: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Register ranks ``ranks`` (rank -> its process on this node) of data-parallel ``trial`` of
         ``world`` ranks at piece ``start``, as consumers ``<trial>@<rank>``; the registry's
         rendezvous calls this on the node of each rank (``GroupRegistry.meet``).
@@ -233,6 +234,7 @@ class Coordinator(Producer):
         for rank, consumer in ids.items():
             self.evicted.pop(consumer, None)
             metrics.declare_trial(self.group, consumer)
+            self._note_part(consumer, part)
             if ranks[rank] is not None:
                 for other in self.watch.add(consumer, tokens[rank], Process(*ranks[rank])):
                     self.buffer.leave(other)  # Tune reused that actor: its earlier trial is over
@@ -302,7 +304,7 @@ class Coordinator(Producer):
         self.buffer.fetched(trial, g, n)
         if trial in self.parts:  # the rows of its part, pro rata of the planned samples (exact without skips)
             planned = self.plan.chunk_samples(g)
-            n = n * int(np.isin(planned, self.parts[trial]).sum()) // max(len(planned), 1)
+            n = n * int(self.part_masks[self.parts[trial]][planned].sum()) // max(len(planned), 1)
         if _counts_served(trial):
             self.stats["samples_served"] += n
             metrics.inc("samples_served", n, group=self.group, trial=trial)
@@ -310,20 +312,31 @@ class Coordinator(Producer):
         return {"status": "ok", "ref": ref}
 
     def _note_part(self, consumer: str, part: dict[str, Any] | None) -> None:
-        """Remember the samples ``consumer`` reads when it reads a part of the split (a part the dataset
-        cannot hold is not: the trial's loader raises naming it)."""
-        self.parts.pop(consumer, None)
-        if part:
+        """Remember which samples ``consumer`` reads when it reads a part of the split: one mask per
+        distinct part, shared by its consumers (a part the dataset cannot hold is not remembered: the
+        trial's loader raises naming it)."""
+        self._forget_part(consumer)
+        if not part:
+            return
+        key = repr(sorted(part.items()))
+        if key not in self.part_masks:
             try:
-                ids = part_ids(dataclasses.replace(self.spec, **part), self.dataset_samples)
+                ids = part_ids(SimpleNamespace(holdout=self.spec.holdout, **part), self.dataset_samples)
             except ConfigError:
                 return
-            if ids is not None:
-                self.parts[consumer] = ids
+            self.part_masks[key] = part_mask(ids, self.dataset_samples)
+        self.parts[consumer] = key
+
+    def _forget_part(self, consumer: str) -> None:
+        key = self.parts.pop(consumer, None)
+        if key is not None and key not in self.parts.values():
+            del self.part_masks[key]
 
     async def leave(self, trial: str, token: int | None = None) -> None:
         """Unregister ``trial`` (only incarnation ``token`` if given); pieces only it still needed are freed."""
         released = self.buffer.leave(trial, token)
+        if trial not in self.buffer.consumers:
+            self._forget_part(trial)
         if token is None or self.evicted.get(trial) == token:
             self.evicted.pop(trial, None)
         if released:
@@ -349,6 +362,8 @@ class Coordinator(Producer):
             del self.evicted[trial]
             return
         self.buffer.leave(trial, token)
+        if trial not in self.buffer.consumers:
+            self._forget_part(trial)
         self.stats["released_dead"] += 1
         await self._notify()
 

@@ -12,6 +12,7 @@ from coordinated_prep.errors import (
     PrepError,
 )
 from coordinated_prep.naming import CALL_TIMEOUT_S
+from coordinated_prep.pipeline.part import part_fields
 from coordinated_prep.spec import DataSpec
 from coordinated_prep.stream.watch import Process
 
@@ -107,7 +108,8 @@ class Ranks:
                                trial, spec.group_key)
         start = max(lows)
         answers = await asyncio.wait_for(
-            asyncio.gather(*(coordinators[node].join_ranks.remote(consumer, ranks, meeting.world, start, epochs)
+            asyncio.gather(*(coordinators[node].join_ranks.remote(consumer, ranks, meeting.world, start, epochs,
+                                                                  part_fields(spec))
                              for node, ranks in by_node.items()), return_exceptions=True),
             CALL_TIMEOUT_S)  # past it, ranks registered on a node are released by its watch when they fail
         failed = [a for a in answers if isinstance(a, BaseException)]

@@ -46,7 +46,8 @@ def preflight(cfg: Any) -> int:
 
 def try_spec(spec: DataSpec, where: str = "data", probe_it: bool = True) -> None:
     """Build ``spec``'s factories and prepare its first training and held-out samples here (with
-    ``probe_it``; without, for a spec whose group was probed already, only its part is checked).
+    ``probe_it``; without, for a spec whose group was probed already, its part is checked and a fold's
+    own evaluation samples probed).
 
     Raises:
         ConfigError: As :func:`preflight` (``where`` names the spec).
@@ -66,6 +67,7 @@ def try_spec(spec: DataSpec, where: str = "data", probe_it: bool = True) -> None
         part_ids(spec, n)  # a subset's indices are in the training split; folds are not empty
         if probe_it:
             probe(pipeline, spec.seed, train_indices(n, spec.holdout), spec.ragged, spec.views, "train", where)
+        if probe_it or spec.fold is not None:  # each fold evaluates on samples of its own
             probe(pipeline, spec.seed, held_out(spec, n), spec.ragged, 1, "eval", f"{where} (evaluation)")
     except CoordinatedPrepError as e:
         raise ConfigError(f"{where}: {e}" if not str(e).startswith(where) else str(e)) from None

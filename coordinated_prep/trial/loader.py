@@ -11,8 +11,6 @@ import warnings
 import weakref
 from typing import Any, Callable, Generator, Iterator, Mapping
 
-import numpy as np
-
 from coordinated_prep import metrics
 from coordinated_prep.context import whereabouts
 from coordinated_prep.errors import ConfigError
@@ -22,7 +20,7 @@ from coordinated_prep.trial.echo import EchoCounts, EchoSpec, echoed, epoch_rng
 from coordinated_prep.trial.eval_loader import EvalLoader, check_collate, eval_loader  # noqa: F401  (re-exported)
 from coordinated_prep.trial.pinning import _accelerator, pinned
 from coordinated_prep.trial.calls import find_registry, has_registry
-from coordinated_prep.trial.subset import part_of, restricted
+from coordinated_prep.trial.subset import Part, part_of, restricted
 from coordinated_prep.trial.shard import Shard, ShardBatcher, check_data_parallel, rank_batches, rank_steps
 from coordinated_prep.trial.streams import PieceStream, PrivateStream, SharedStream
 
@@ -54,14 +52,14 @@ class TrainLoader:
         shard: This rank's share of each epoch in a data-parallel trial
             (:mod:`coordinated_prep.trial.shard`); None: the whole epoch.
         collate_fn: Builds each batch's :attr:`~Batch.data` from its samples (see :func:`train_loader`).
-        part: Sorted dataset indices of the trial's part of the training split
-            (:mod:`coordinated_prep.pipeline.part`); None: the whole split.
+        part: The trial's part of the training split (:mod:`coordinated_prep.trial.subset`); None:
+            the whole split.
     """
 
     def __init__(self, stream: PieceStream, batch_size: int, epochs: int | None = None,
                  tags: Mapping[str, str] | None = None, echo: EchoSpec | None = None, views: int = 1,
                  seed: int = 0, pin_memory: bool = False, shard: Shard | None = None,
-                 collate_fn: Callable[[list[Any]], Any] | None = None, part: np.ndarray | None = None) -> None:
+                 collate_fn: Callable[[list[Any]], Any] | None = None, part: Part | None = None) -> None:
         self._stream = stream
         self._part = part
         # samples of an epoch: the trial's part of the split (its rows of every piece), or the whole split

@@ -50,7 +50,7 @@ import numpy as np
 
 from coordinated_prep.errors import ConfigError, PrepError
 from coordinated_prep.trial.batching import Batch, Batcher, select
-from coordinated_prep.trial.subset import kept, planned_in_part
+from coordinated_prep.trial.subset import Part, numbered_kept, planned_in_part
 
 if TYPE_CHECKING:
     from coordinated_prep.trial.echo import EchoSpec
@@ -138,7 +138,7 @@ def check_data_parallel(spec: Any, echo: EchoSpec, shard: Shard, trial: str) -> 
                           "get unequal fresh samples; use views=1 with echo='example:e' for repeats")
 
 
-def rank_batches(stream: Any, batch_size: int, rows: int, shard: Shard, part: np.ndarray | None,
+def rank_batches(stream: Any, batch_size: int, rows: int, shard: Shard, part: Part | None,
                  stats: Any, who: str) -> "ShardBatcher":
     """One rank's batches of an epoch of ``stream``: its node's pieces (each cut to the trial's ``part``,
     :mod:`coordinated_prep.trial.subset`) put back to their planned lengths (a sample skipped on this
@@ -151,7 +151,7 @@ def rank_batches(stream: Any, batch_size: int, rows: int, shard: Shard, part: np
                                                              s.chunks_per_epoch)
         planned: Callable[[int], np.ndarray] = s.chunk_samples
     else:  # the part's rows of each piece, and its places in the plan
-        numbered = ((g, kept(piece, part)) for g, piece in numbered)
+        numbered = numbered_kept(numbered, part)
         planned = lambda g: planned_in_part(s.chunk_samples(g), part)  # noqa: E731
         length = lambda g: len(planned(g))  # noqa: E731
     whole = Batcher(filled(numbered, length, planned, who), batch_size * shard.world, stats, s.ready,

@@ -187,6 +187,11 @@ class SharedStream:
         self._finalizer = weakref.finalize(self, _leave_unawaited, self._coordinator, consumer, self._token)
         self._finalizer.atexit = False
 
+    def widen(self, ratio: float) -> None:
+        """Request ``ratio`` times as many pieces ahead (at most 64): a trial reading a part of the split
+        (:mod:`coordinated_prep.trial.subset`) takes ``ratio`` times as many pieces per batch."""
+        self._prefetch = max(self._prefetch, min(64, math.ceil(self._prefetch * ratio)))
+
     def _join(self, trial: str, epochs: int | None, rank: tuple[int, int] | None) -> dict[str, Any]:
         """Find the group's coordinator on this node and join it; once more if it died in between.
 

@@ -6,7 +6,8 @@ piece's order (all views of each, view-major as pieces are). Its epoch is then e
 once, in the stream's order, whatever piece it joined at: the pieces of one epoch hold the whole
 split once (:mod:`coordinated_prep.plan`). A piece whose rows are all in the part (an unshared trial
 prepares only its part's samples) is passed on as it is, so its batches stay views; otherwise the
-kept rows are copied into memory the trial owns, and the shared piece is released with it.
+kept rows are copied into memory the trial owns (ragged rows too), and the shared piece is dropped
+at once: nothing of it stays mapped.
 """
 
 from __future__ import annotations
@@ -16,7 +17,19 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from coordinated_prep.errors import ConfigError
-from coordinated_prep.pipeline.part import part_ids
+from coordinated_prep.pipeline.part import part_ids, part_mask
+
+
+class Part:
+    """A trial's part of the training split: its samples (sorted) and their mask over the dataset."""
+
+    def __init__(self, ids: np.ndarray, num_samples: int) -> None:
+        self.ids, self.mask = ids, part_mask(ids, num_samples)
+
+    @property
+    def size(self) -> int:
+        """Samples in the part."""
+        return int(self.ids.size)
 
 
 class PartPiece:
@@ -31,7 +44,10 @@ class PartPiece:
         leaves: list[Any] = []
         for j, spec in enumerate(piece.layout.leaves):
             leaf = piece.leaves[j]
-            leaves.append(np.ascontiguousarray(leaf[rows]) if spec.kind == "dense" else [leaf[r] for r in rows])
+            if spec.kind == "dense":
+                leaves.append(np.ascontiguousarray(leaf[rows]))
+            else:  # a ragged row is a view of the piece: copied, so that no row keeps the piece mapped
+                leaves.append([np.array(leaf[r]) if isinstance(leaf[r], np.ndarray) else leaf[r] for r in rows])
         self.leaves = tuple(leaves)
         self.indices = np.asarray(piece.indices)[rows]
         own = getattr(piece, "row_labels", None)
@@ -45,35 +61,56 @@ class PartPiece:
         return len(self.indices)
 
 
-def kept(piece: Any, part: np.ndarray) -> Any:
-    """``piece`` itself when every row's sample is in ``part`` (sorted indices), else its rows that
-    are, as a :class:`PartPiece` (possibly empty)."""
-    inside = np.isin(np.asarray(piece.indices), part, assume_unique=False)
+def kept(piece: Any, part: Part) -> Any:
+    """``piece`` itself when every row's sample is in ``part``, else its rows that are, as a
+    :class:`PartPiece` (possibly empty)."""
+    inside = part.mask[np.asarray(piece.indices)]
     if inside.all():
         return piece
     return PartPiece(piece, np.flatnonzero(inside))
 
 
-def restricted(pieces: Iterable[Any], part: np.ndarray | None) -> Iterator[Any]:
+def restricted(pieces: Iterable[Any], part: Part | None) -> Iterator[Any]:
     """Each of ``pieces`` cut to the rows of ``part`` (:func:`kept`); ``part`` None: the pieces as they are."""
     if part is None:
         yield from pieces
         return
-    for piece in pieces:
-        yield kept(piece, part)
+    it = iter(pieces)
+    while (piece := next(it, None)) is not None:
+        out = kept(piece, part)
+        del piece  # the next piece is pulled while this one is read: only its kept rows stay
+        yield out
 
 
-def planned_in_part(planned: np.ndarray, part: np.ndarray | None) -> np.ndarray:
+def numbered_kept(numbered: Iterable[tuple[Any, Any]], part: Part) -> Iterator[tuple[Any, Any]]:
+    """``(g, piece)`` pairs with each piece cut to ``part``; a shared piece is not held past its cut."""
+    it = iter(numbered)
+    while (item := next(it, None)) is not None:
+        g, piece = item
+        item = None
+        out = kept(piece, part)
+        del piece  # the next piece is pulled while this one is read: only its kept rows stay
+        yield g, out
+
+
+def planned_in_part(planned: np.ndarray, part: Part | None) -> np.ndarray:
     """The samples of ``planned`` (a piece's planned indices, in order) that ``part`` reads, in order."""
-    return planned if part is None else planned[np.isin(planned, part)]
+    return planned if part is None else planned[part.mask[planned]]
 
 
-def part_of(spec: Any, stream: Any) -> np.ndarray | None:
-    """Sorted samples of ``spec``'s part of the training split of ``stream``'s dataset (None: the whole
-    split); a part the dataset cannot hold closes the stream (the trial leaves its group) and raises
-    :class:`~coordinated_prep.errors.ConfigError` naming it."""
+def part_of(spec: Any, stream: Any) -> Part | None:
+    """``spec``'s part of the training split of ``stream``'s dataset (None: the whole split); a part
+    the dataset cannot hold closes the stream (the trial leaves its group) and raises
+    :class:`~coordinated_prep.errors.ConfigError` naming it. A shared stream then reads further ahead:
+    a batch of the part takes more pieces than a batch of the whole split."""
     try:
-        return part_ids(spec, stream.dataset_samples)
+        ids = part_ids(spec, stream.dataset_samples)
     except ConfigError:
         stream.close()
         raise
+    if ids is None:
+        return None
+    widen = getattr(stream, "widen", None)
+    if widen is not None:
+        widen(stream.samples_per_epoch / max(ids.size, 1))
+    return Part(ids, stream.dataset_samples)
