@@ -114,7 +114,7 @@ def test_a_yaml_subset_outside_the_split_fails_the_dry_run_naming_the_value(smal
 
 
 def test_a_five_fold_cross_validation_of_two_configs_from_yaml_prepares_each_sample_once_per_epoch(
-        ray_session, small_dataset, tmp_path):
+        ray_session, small_dataset, tmp_path, warm_pool):
     path = tmp_path / "cv.yaml"
     path.write_text(textwrap.dedent(f"""
         name: cv
@@ -128,6 +128,7 @@ def test_a_five_fold_cross_validation_of_two_configs_from_yaml_prepares_each_sam
         reuse_actors: true
         resources_per_trial: {{cpu: 0.25}}
         metric: score
+        pool: {{keep_warm: true}}   # the prep actors an earlier test kept, kept again for the next
     """))
     cfg = load_sweep(str(path))
     summary = run_sweep(cfg, verbose=0)

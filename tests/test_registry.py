@@ -61,7 +61,8 @@ class _Coordinator:
         self.joined: list[str] = []
         self.made.append(self)
 
-    def _join_ranks(self, consumer: str, ranks: dict[int, Any], world: int, start: int, epochs: Any) -> Any:
+    def _join_ranks(self, consumer: str, ranks: dict[int, Any], world: int, start: int, epochs: Any,
+                    part: Any = None) -> Any:
         self.joined += [f"{consumer}@{rank}" for rank in ranks]
         return {"tokens": {rank: rank for rank in ranks}, "info": {"start": start, "name": "fake"}}
 
