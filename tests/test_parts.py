@@ -124,9 +124,8 @@ def test_a_five_fold_cross_validation_of_two_configs_from_yaml_prepares_each_sam
                 chunk_size: 16, segments: 4}}
         search_space: {{data.fold.1: {{grid: [0, 1, 2, 3, 4]}}, batch_size: {{grid: [8, 12]}}, epochs: 2,
                         evaluate: true, out: {tmp_path / "records"}}}
-        max_concurrent_trials: 4
-        reuse_actors: true
-        resources_per_trial: {{cpu: 0.25}}
+        max_concurrent_trials: 10         # together: each piece is prepared once for all 10
+        resources_per_trial: {{cpu: 0.1}}
         metric: score
         pool: {{keep_warm: true}}   # the prep actors an earlier test kept, kept again for the next
     """))
@@ -166,7 +165,7 @@ def test_data_parallel_ranks_split_their_part_of_each_epoch_in_equal_steps(small
     from coordinated_prep.trial.loader import TrainLoader
     from coordinated_prep.trial.shard import Shard
     from coordinated_prep.trial.streams import PrivateStream
-    from coordinated_prep.trial.subset import Part
+    from coordinated_prep.pipeline.part import Part
 
     spec = DataSpec(dataset=small_dataset, coordinated=False, chunk_size=16, seed=3, pipeline={"size": 16},
                     fold=(4, 1))
@@ -191,7 +190,8 @@ def test_a_part_of_shared_pieces_equals_the_pieces_prepared_for_the_part_with_vi
     holds on to a whole piece."""
     from coordinated_prep.trial.loader import TrainLoader
     from coordinated_prep.trial.streams import PrivateStream
-    from coordinated_prep.trial.subset import Part, PartPiece
+    from coordinated_prep.pipeline.part import Part
+    from coordinated_prep.trial.subset import PartPiece
     from tests.test_structure import Samples
 
     boxes = lambda i: (np.full((2, 4, 4), i, np.uint8), {"boxes": np.full((i % 4, 4), i, np.float32)})  # noqa: E731

@@ -141,13 +141,25 @@ def part_mask(ids: np.ndarray, num_samples: int) -> np.ndarray:
     return mask
 
 
+class Part:
+    """A trial's part of the training split: its samples (sorted) and their mask over the dataset."""
+
+    def __init__(self, ids: np.ndarray, num_samples: int) -> None:
+        self.ids, self.mask = ids, part_mask(ids, num_samples)
+
+    @property
+    def size(self) -> int:
+        """Samples in the part."""
+        return int(self.ids.size)
+
+
 class PartPlan:
     """A stream plan whose pieces hold only a part's samples, in the plan's order: what an unshared
     trial prepares (:class:`~coordinated_prep.trial.streams.PrivateStream`), so that it prepares its
     part alone and its pieces equal a shared piece's rows of that part."""
 
-    def __init__(self, plan: Any, part: np.ndarray, num_samples: int) -> None:
-        self.plan, self.mask = plan, part_mask(part, num_samples)
+    def __init__(self, plan: Any, part: Part) -> None:
+        self.plan, self.mask = plan, part.mask
 
     def locate(self, g: int) -> tuple[int, int]:
         """``(epoch, chunk within epoch)`` of piece ``g``, as the whole plan's."""
@@ -162,7 +174,7 @@ class PartPlan:
 def prepared_plan(plan: Any, spec: Any, num_samples: int) -> Any:
     """What a trial of ``spec`` prepares alone: ``plan``, or its :class:`PartPlan` for a trial reading a part."""
     part = part_ids(spec, num_samples)
-    return plan if part is None else PartPlan(plan, part, num_samples)
+    return plan if part is None else PartPlan(plan, Part(part, num_samples))
 
 
 def part_fields(spec: Any) -> dict[str, Any] | None:

@@ -20,7 +20,8 @@ from coordinated_prep.trial.echo import EchoCounts, EchoSpec, echoed, epoch_rng
 from coordinated_prep.trial.eval_loader import EvalLoader, check_collate, eval_loader  # noqa: F401  (re-exported)
 from coordinated_prep.trial.pinning import _accelerator, pinned
 from coordinated_prep.trial.calls import find_registry, has_registry
-from coordinated_prep.trial.subset import Part, part_of, restricted
+from coordinated_prep.pipeline.part import Part
+from coordinated_prep.trial.subset import part_of, restricted
 from coordinated_prep.trial.shard import Shard, ShardBatcher, check_data_parallel, rank_batches, rank_steps
 from coordinated_prep.trial.streams import PieceStream, PrivateStream, SharedStream
 

@@ -50,7 +50,8 @@ import numpy as np
 
 from coordinated_prep.errors import ConfigError, PrepError
 from coordinated_prep.trial.batching import Batch, Batcher, select
-from coordinated_prep.trial.subset import Part, numbered_kept, planned_in_part
+from coordinated_prep.pipeline.part import Part
+from coordinated_prep.trial.subset import numbered_kept, planned_in_part
 
 if TYPE_CHECKING:
     from coordinated_prep.trial.echo import EchoSpec

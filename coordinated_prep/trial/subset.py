@@ -17,19 +17,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from coordinated_prep.errors import ConfigError
-from coordinated_prep.pipeline.part import part_ids, part_mask
-
-
-class Part:
-    """A trial's part of the training split: its samples (sorted) and their mask over the dataset."""
-
-    def __init__(self, ids: np.ndarray, num_samples: int) -> None:
-        self.ids, self.mask = ids, part_mask(ids, num_samples)
-
-    @property
-    def size(self) -> int:
-        """Samples in the part."""
-        return int(self.ids.size)
+from coordinated_prep.pipeline.part import Part, part_ids
 
 
 class PartPiece:
