@@ -52,8 +52,10 @@ PANELS: tuple[tuple[str, str, tuple[tuple[str, str], ...], str], ...] = (
     ("Errors by kind", "short",
      (("sum by (kind) (increase(ray_coordprep_errors_total[5m]))", "{{kind}}"),),
      "Skipped samples, failed pieces and trials detached by the lease, over 5 minutes."),
-    ("Prep actors per node", "short", (("ray_coordprep_prep_actors", "{{node}}"),),
-     "The node's prep actors: a pool sized by demand starts with one and grows while trials wait for it."),
+    ("Prep actors and reserved CPUs per node", "short",
+     (("ray_coordprep_prep_actors", "actors {{node}}"), ("ray_coordprep_prep_reserved_cpus", "reserved CPUs {{node}}")),
+     "The node's prep actors (a pool sized by demand starts with one and grows while trials wait for it), and the "
+     "CPUs they reserve from Tune (given back while preparation runs ahead, taken again when trials wait)."),
     ("Node-cache hit rate", "percentunit",
      ((f"sum by (node) (rate(ray_coordprep_cache_hits_total{_WINDOW})) / (sum by (node) "
        f"(rate(ray_coordprep_cache_hits_total{_WINDOW})) + sum by (node) "

@@ -28,6 +28,7 @@ metrics export port (Ray adds its ``ray_`` prefix there; counters gain ``_total`
 | ``coordprep_decoded_bytes`` | gauge | node | decoded tier: bytes kept |
 | ``coordprep_decoded_capacity_bytes`` | gauge | node | decoded tier |
 | ``coordprep_prep_actors`` | gauge | node | registry: the node's prep actors now (a pool sized by demand grows) |
+| ``coordprep_prep_reserved_cpus`` | gauge | node | registry: the CPUs the node's pool reserves now (a lending pool gives them back) |
 | ``coordprep_eval_samples_prepared`` | counter | pipeline | registry: held-out samples its prep pools prepared |
 | ``coordprep_eval_samples_served`` | counter | pipeline | registry: held-out samples handed to trials' evaluations |
 
@@ -81,6 +82,8 @@ DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "decoded_capacity_bytes": ("gauge", "The node's decoded tier's budget", ("node",)),
     "prep_actors": ("gauge", "Prep actors of the node's pool now (a pool sized by demand grows while trials wait)",
                     ("node",)),
+    "prep_reserved_cpus": ("gauge", "CPUs the node's prep pool reserves now (a pool sized by demand gives them back "
+                           "while its preparation runs ahead, and takes them again when trials wait)", ("node",)),
     "eval_samples_prepared": ("counter", "Held-out samples prepared for evaluation (once per pipeline when "
                               "resident)", ("pipeline",)),
     "eval_samples_served": ("counter", "Held-out samples handed to trials' evaluations", ("pipeline",)),

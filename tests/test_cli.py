@@ -191,14 +191,22 @@ def test_the_summary_says_how_each_nodes_pool_grew_and_why():
     for _ in range(3):
         grew.tick(1.9, 1, False, 2.0, 7.5)
     grew.started(True, 12.0)
+    lent = Growth(most=2, lends=True)  # trials served without waiting: it gives its one share back
+    for _ in range(3):
+        lent.tick(0.0, 2, False, 2.0, 20.0)
     pools = {"node-a" * 8: {"prep_actors": 2, "reserved_cpus": 1.0, "growth": grew.report()},
              "node-b" * 8: {"prep_actors": 1, "reserved_cpus": 0.5, "growth": idle.report()},
-             "node-c" * 8: {"prep_actors": 2, "reserved_cpus": 1.0, "growth": None}}
+             "node-c" * 8: {"prep_actors": 2, "reserved_cpus": 1.0, "growth": None},
+             "node-d" * 8: {"prep_actors": 1, "reserved_cpus": 0.0, "growth": lent.report()}}
     text = format_summary(build_summary([{"trial": "t1", "status": "TERMINATED"}], {}, "accuracy", "max", pools=pools))
     assert ("Prep pool on node node-anode-a: 2 of at most 2 actors (1.00 CPUs reserved); grew 1 time(s): 7.5 s grow: "
-            "each trial was blocked 95% of the last 6 s on the pool's 1 actor(s); 12.0 s added: 2 actor(s) now") in text
+            "each trial was blocked 95% of the last 6 s on the pool's 1 actor(s), 1 reserving CPUs; 12.0 s added: "
+            "2 actor(s), 2 reserving CPUs") in text
     assert "node-bnode-b: 1 of at most 4 actors (0.50 CPUs reserved); never grew: the trials did not wait" in text
     assert "node-cnode-c: 2 actors, fixed (1.00 CPUs reserved)" in text
+    assert ("node-dnode-d: 1 of at most 2 actors (0.00 CPUs reserved); grew 0 time(s), gave CPUs back 1 time(s) (its "
+            "preparation ran ahead): 20.0 s release: each trial was blocked 0.0% of the last 6 s: preparation runs "
+            "ahead, so 0 of 1 actor(s)' CPUs stay reserved") in text
 
 
 def test_the_summary_names_each_trial_that_prepared_samples_itself_and_why():

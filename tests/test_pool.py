@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from coordinated_prep import ConfigError
 from coordinated_prep.pool import PoolSpec, split_budget
-from coordinated_prep.pool.elastic import BACKOFF, PATIENCE, THRESHOLD, Growth
+from coordinated_prep.pool.elastic import (BACKOFF, CALM, GROW, LOW, PATIENCE, RELEASE, RESERVE, THRESHOLD,
+                                           Growth)
 
 
 def test_defaults_are_one_actor_per_cpu_at_most_reserving_half_and_a_quarter_of_the_store():
@@ -80,32 +81,79 @@ def test_a_pool_grows_only_after_its_trials_were_blocked_a_whole_window():
         Growth(most=2, actors=3)
 
 
+def test_a_lending_pool_gives_its_cpus_back_while_preparation_runs_ahead_and_takes_them_again_when_trials_wait():
+    growth = Growth(most=2, lends=True)
+    for _ in range(CALM - 1):
+        assert growth.tick(0.0, 2, False, 2.0, 1.0) is None
+    assert growth.tick(0.0, 0, False, 2.0, 1.0) is None, "no trial: no evidence that preparation runs ahead"
+    for _ in range(CALM - 1):
+        assert growth.tick(0.0, 2, False, 2.0, 1.0) is None
+    assert growth.tick(0.0, 2, True, 2.0, 1.0) is None, "a lease ran: the trials waited on the budget"
+    for _ in range(CALM - 1):
+        assert growth.tick(0.0, 2, False, 2.0, 1.0) is None
+    assert growth.tick(LOW * 2.0 * CALM * 2 * 1.5, 2, False, 2.0, 1.0) is None, "blocked more than the low share"
+    for _ in range(CALM - 1):
+        assert growth.tick(0.0, 2, False, 2.0, 1.0) is None
+    assert growth.tick(0.01, 2, False, 2.0, 5.0) == RELEASE and (growth.actors, growth.shares) == (1, 0)
+    assert all(growth.tick(0.0, 2, False, 2.0, 6.0) is None for _ in range(2 * CALM)), "nothing left to give back"
+    enough = THRESHOLD * 2.0  # one trial, blocked the least share that counts of each tick
+    for _ in range(PATIENCE - 1):  # the trials wait: the share comes back before a second actor starts
+        assert growth.tick(enough, 1, False, 2.0, 7.0) is None
+    assert growth.tick(enough, 1, False, 2.0, 8.0) == RESERVE and growth.starting == RESERVE
+    assert growth.tick(0.0, 2, False, 2.0, 8.0) is None, "nothing is given back while a share starts"
+    growth.started(True, 9.0)
+    assert (growth.actors, growth.shares, growth.reserved) == (1, 1, 1)
+    assert [growth.tick(2.0, 1, False, 2.0, 10.0) for _ in range(PATIENCE)][-1] == GROW
+    growth.started(True, 11.0)
+    assert (growth.actors, growth.shares, growth.grown) == (2, 2, 1)
+    assert [d[1] for d in growth.report()["decisions"]] == [RELEASE, RESERVE, "added", GROW, "added"]
+    assert all(Growth(most=2).tick(0.0, 2, False, 2.0, 0.0) is None for _ in range(3 * CALM)), "only a lending pool"
+    for bad in (dict(shares=0), dict(lends=True, shares=2), dict(lends=True, low=THRESHOLD)):
+        with pytest.raises(ValueError):
+            Growth(most=2, **bad)
+
+
 @given(steps=st.lists(st.tuples(st.floats(0.0, 8.0), st.integers(0, 4), st.booleans(), st.booleans()), max_size=80),
-       most=st.integers(1, 6))
-def test_growth_is_safe_after_every_step_and_serves_waiting_trials_within_its_bound(steps, most):
+       most=st.integers(1, 6), lends=st.booleans())
+def test_growth_is_safe_after_every_step_and_serves_waiting_trials_within_its_bound(steps, most, lends):
     """Safety after each step of a random schedule (per tick: seconds blocked, trials, whether a
-    lease ran; each actor asked for starts or is given up), then liveness: from the state reached,
-    ticks in which every trial stays blocked ask for an actor within ``BACKOFF + PATIENCE`` ticks
-    (``PATIENCE`` once one was added), with no other party acting, until the pool is at its most."""
-    growth = Growth(most=most)
-    history: list[tuple[float, bool]] = []  # per tick: mean seconds a trial was blocked, whether a lease ran
+    lease ran; each start asked for succeeds or is given up), then liveness from the state reached,
+    with no other party acting: ticks in which every trial stays blocked ask for a share or an actor
+    within ``BACKOFF + PATIENCE`` ticks (``PATIENCE`` once one was added) until the pool holds its
+    most; then, for a lending pool, ticks in which no trial waits give a share back within ``CALM``
+    ticks until it holds none."""
+    growth = Growth(most=most, lends=lends)
+    history: list[tuple[float, bool, bool]] = []  # per tick: mean seconds a trial was blocked, lease ran, trials
     for waited, trials, leased, ok in steps:
-        was = growth.actors
+        was_actors, was_shares = growth.actors, growth.shares
         asked = growth.tick(waited, trials, leased, 2.0, 0.0)
-        history.append((waited / max(trials, 1), leased))
-        if asked:
+        history.append((waited / max(trials, 1), leased, trials > 0))
+        if asked in (GROW, RESERVE):
             last = history[-PATIENCE:]
-            assert len(last) == PATIENCE and not any(lease for _, lease in last), "grew on a lease's wait"
-            assert sum(w for w, _ in last) >= THRESHOLD * 2.0 * PATIENCE, "grew without a window of waiting"
+            assert len(last) == PATIENCE and not any(lease for _, lease, _ in last), "asked on a lease's wait"
+            assert sum(w for w, _, _ in last) >= THRESHOLD * 2.0 * PATIENCE, "asked without a window of waiting"
+            assert (asked == RESERVE) == (was_shares < was_actors), "a share held back comes back before an actor"
             growth.started(ok, 0.0, "" if ok else "no CPU")
-        assert 1 <= growth.actors <= most and growth.actors - was <= 1 and not growth.starting
+        elif asked == RELEASE:
+            last = history[-CALM:]
+            assert lends and len(last) == CALM and all(t and not lease for _, lease, t in last), "gave back unseen"
+            assert sum(w for w, _, _ in last) <= LOW * 2.0 * CALM, "gave back while trials waited"
+            assert growth.shares == was_shares - 1
+        else:
+            assert asked is None
+        assert 1 <= growth.actors <= most and 0 <= growth.shares <= growth.actors and not growth.starting
+        assert lends or growth.shares == growth.actors
+        assert 0 <= growth.actors - was_actors <= 1 and abs(growth.shares - was_shares) <= 1
         assert len(growth.report()["decisions"]) <= 16
     bound = BACKOFF + PATIENCE
-    while growth.actors < most:
+    while growth.shares < most:
         ticks = 1
-        while not growth.tick(2.0, 1, False, 2.0, 0.0):
+        while (asked := growth.tick(2.0, 1, False, 2.0, 0.0)) is None:
             ticks += 1
             assert ticks <= bound, "trials blocked every tick were not served within the bound"
+        assert asked in (GROW, RESERVE)
         growth.started(True, 0.0)
         bound = PATIENCE
-    assert not growth.tick(2.0, 1, False, 2.0, 0.0)
+    assert growth.tick(2.0, 1, False, 2.0, 0.0) is None and growth.actors == most
+    while lends and growth.shares > 0:
+        assert RELEASE in [growth.tick(0.0, 1, False, 2.0, 0.0) for _ in range(CALM)], "a calm pool kept its CPUs"

@@ -291,3 +291,36 @@ def test_a_pool_sized_by_demand_starts_with_one_actor_and_grows_while_the_trial_
     picked = np.arange(0, len(last["indices"]), 97)
     assert np.array_equal(last["digests"][picked],
                           reference_digests(spec, last["stream_epochs"][picked], last["indices"][picked]))
+
+
+def _stepping(config: dict) -> None:
+    """Reads ``epochs`` epochs in batches of 8 with a step of ``step_s`` per batch (an accelerator's:
+    the trial waits on it, not on the CPU); reports when it began and ended."""
+    began = time.time()
+    loader = train_loader(config, batch_size=8, epochs=config["epochs"])
+    seen = 0
+    for _ in range(config["epochs"]):
+        for batch in loader:
+            seen += len(batch)
+            time.sleep(config["step_s"])  # stands for the accelerator's step, not for synchronisation
+    tune.report({"began": began, "ended": time.time(), "seen": seen})
+
+
+def test_a_pool_whose_preparation_runs_ahead_gives_its_cpus_back_and_tune_runs_another_trial(ray_session,
+                                                                                              small_dataset):
+    """Two trials at ``cpu: 1`` on 2 CPUs: while the pool holds its actor's 0.5 CPU, one fits. The
+    pipeline is cheap and the trial waits on its steps, so the pool gives its share back to Tune
+    (and says why), and Tune starts the second trial while the first still runs."""
+    spec = _spec(small_dataset)
+    searcher = CoordinatedSearcher()
+    analysis = tune.run(tune.with_resources(_stepping, {"cpu": 1}), search_alg=searcher, verbose=0,
+                        config={"data": spec, "epochs": tune.grid_search([16, 1]), "step_s": 0.06})
+    [pool] = searcher.pool_reports().values()
+    searcher.close()
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    first, second = sorted(analysis.trials, key=lambda t: -t.config["epochs"])
+    assert second.last_result["began"] < first.last_result["ended"], "the second trial waited for the first to end"
+    assert first.last_result["seen"] == 16 * len(train_ids(spec)) and second.last_result["seen"] == len(train_ids(spec))
+    assert pool["growth"]["released"] >= 1 and pool["growth"]["decisions"][0][1] == "release", pool
+    assert "preparation runs ahead" in pool["growth"]["decisions"][0][2], pool
+    assert live_coordprep_actors() == []

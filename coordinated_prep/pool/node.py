@@ -13,6 +13,12 @@ take them, and import torch while the trials start (their first piece waits for 
 left to size itself (``PoolSpec(actors=None)``, not lent) starts one actor and grows while the
 trials wait for it (:mod:`coordinated_prep.pool.elastic`); the registry adds each new actor to the
 pool and to every coordinator of the node.
+
+Such a pool (unless kept warm) also *lends* its CPUs: its actors reserve none themselves, and the
+pool holds its shares of the node's CPUs as placement groups of one bundle each, pinned to the node
+by its ``ray.io/node-id`` label. They are the registry's, like the actors: created here, removed by
+:meth:`NodePool.release` when the growth rule gives a share back to Tune, and by ``kill`` at the end
+of the sweep (Ray also removes them with the registry, their creator).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import logging
 from typing import Any
 
 import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from coordinated_prep.cache.layout import CacheLayout
@@ -64,7 +71,11 @@ class NodePool:
         self.spec = spec
         most, self.each = spec.shape_for(cpus)
         # Sized by demand: one actor to start with, up to ``most`` (a lent pool is the driver's, as it is).
-        self.growth = Growth(most) if spec.grows and not lent and most > 1 else None
+        grows = spec.grows and not lent and most > 1
+        # A kept pool's actors hold their CPUs themselves: the next sweep borrows them as they are.
+        self.growth = Growth(most, lends=not spec.keep_warm and self.each > 0) if grows else None
+        self.lends = self.growth is not None and self.growth.lends
+        self.shares: list[Any] = []  # a lending pool's placement groups, one share of CPUs each
         n = 1 if self.growth is not None else most
         self.budget_bytes = spec.budget_for(store_bytes)
         self.decoded_bytes = spec.decoded_for(store_bytes)
@@ -83,24 +94,61 @@ class NodePool:
         else:
             self.actors = [self._new_actor() for _ in range(n)]
             self._started = [a.__ray_ready__.remote() for a in self.actors]
+            if self.lends:
+                self.shares = [self._new_share() for _ in range(n)]
+                self._started += [pg.ready() for pg in self.shares]
         logger.info("node %s: prep pool of %d actors (at most %d) reserving %.2f CPUs each, staging budget %d bytes, "
                     "decoded tier %d bytes", node, n, most, self.each, self.budget_bytes, self.decoded_bytes)
 
     @property
     def reserved_cpus(self) -> float:
-        """The logical CPUs the pool's live actors reserve."""
-        return len(self.actors) * self.each
+        """The logical CPUs the pool reserves now: its actors', or the shares a lending pool holds."""
+        return (len(self.shares) if self.lends else len(self.actors)) * self.each
 
     def _new_actor(self) -> Any:
-        return PrepActor.options(num_cpus=self.each, scheduling_strategy=self._affinity).remote(self._cache,
-                                                                                               self._handed)
+        return PrepActor.options(num_cpus=0 if self.lends else self.each,
+                                 scheduling_strategy=self._affinity).remote(self._cache, self._handed)
+
+    def _new_share(self) -> Any:
+        """A placement group holding one actor's share of this node's CPUs."""
+        return placement_group([{"CPU": self.each}], bundle_label_selector=[{"ray.io/node-id": self.node}])
+
+    async def reserve(self) -> bool:
+        """Take one share of the node's CPUs again (a lending pool); True once it is held.
+
+        A share that is not placed within ``start_timeout_s`` (the trials hold the CPUs) is removed
+        and given up.
+        """
+        self.starting = share = self._new_share()
+        try:
+            await asyncio.wait_for(share.ready(), self.spec.start_timeout_s)
+        except asyncio.CancelledError:  # the sweep ends meanwhile
+            remove_placement_group(share)
+            raise
+        except (asyncio.TimeoutError, ray.exceptions.RayError) as e:
+            logger.info("node %s: a share of %.2f CPUs was not placed (%r); the pool holds %d", self.node, self.each,
+                        e, len(self.shares))
+            remove_placement_group(share)
+            return False
+        finally:
+            self.starting = None
+        self.shares.append(share)
+        return True
+
+    def release(self) -> None:
+        """Give one share of the node's CPUs back to Tune (a lending pool); its actors keep running."""
+        remove_placement_group(self.shares.pop())
 
     async def grow(self) -> bool:
         """Start one more actor and add it once it can prepare (imported torch); True if it was added.
 
         An actor that does not start within ``start_timeout_s`` (no CPU of the node came free) or
-        dies starting is killed and given up: the pool goes on with the actors it has.
+        dies starting is killed and given up: the pool goes on with the actors it has. A lending
+        pool first takes the new actor's share of CPUs (:meth:`reserve`), and gives it back if the
+        actor is given up.
         """
+        if self.lends and not await self.reserve():  # its share first: it needs a CPU that is free
+            return False
         self.starting = actor = self._new_actor()
         try:
             await asyncio.wait_for(actor.imported.remote(), self.spec.start_timeout_s)
@@ -111,6 +159,8 @@ class NodePool:
             logger.info("node %s: a new prep actor did not start (%r); the pool keeps its %d", self.node, e,
                         len(self.actors))
             ray.kill(actor, no_restart=True)
+            if self.lends:
+                self.release()
             return False
         finally:
             self.starting = None
@@ -137,11 +187,16 @@ class NodePool:
             ) from None
 
     def kill(self) -> None:
-        """Kill every actor (no restart) but lent ones, which the driver keeps or kills; pieces their
-        coordinators own are unaffected."""
+        """Kill every actor (no restart) but lent ones, which the driver keeps or kills, and remove the
+        shares of CPUs the pool holds; pieces their coordinators own are unaffected."""
         for actor in self.actors + ([self.starting] if self.starting is not None else []):
-            if not self.lent:
+            if isinstance(actor, PlacementGroup):  # a share starting
+                remove_placement_group(actor)
+            elif not self.lent:
                 ray.kill(actor, no_restart=True)
+        for share in self.shares:
+            remove_placement_group(share)
+        self.shares = []
         if self.tier is not None:  # its kept objects are freed with it (it owns them)
             ray.kill(self.tier, no_restart=True)
 

@@ -25,7 +25,8 @@ class PoolSpec:
             ``keep_warm`` driver keeps the size it was lent).
         cpus: Logical CPUs the pool reserves per node from Ray's scheduler at its most (each actor
             reserves ``cpus / most actors``), so that Tune does not place trials on them; ``None``:
-            half the node's CPUs. A pool sized by demand reserves only its live actors' share. ``0``
+            half the node's CPUs. A pool sized by demand reserves only its live actors' share, and
+            gives it back to Tune while its preparation runs ahead (:mod:`~coordinated_prep.pool.elastic`). ``0``
             reserves none (the actors then compete with the trials, unseen by the scheduler).
         staging_fraction: The node's staging budget as a fraction of its object store.
         staging_bytes: The node's staging budget in bytes (an integer or e.g. ``"512MiB"``);

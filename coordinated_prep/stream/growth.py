@@ -1,5 +1,5 @@
-"""A node's prep pool grown by demand, at the registry: the tick that reads the trials' waits and
-adds actors (the rule is :mod:`coordinated_prep.pool.elastic`)."""
+"""A node's prep pool sized by demand, at the registry: the tick that reads the trials' waits, adds
+actors, and gives shares of CPUs back or takes them again (the rule is :mod:`coordinated_prep.pool.elastic`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import ray
 
 from coordinated_prep import metrics
 from coordinated_prep.naming import CALL_TIMEOUT_S
-from coordinated_prep.pool.elastic import TICK_S
+from coordinated_prep.pool.elastic import GROW, RELEASE, TICK_S
 from coordinated_prep.pool.node import NodePool
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ class PoolGrowth:
 
     def _start_growing(self, pool: NodePool) -> None:
         """Tick ``pool``'s growth until shutdown (a pool of a fixed size or lent has none)."""
-        metrics.set_gauge("prep_actors", len(pool.actors), node=pool.node[:16])
+        _gauges(pool)
         if pool.growth is None:
             return
         self._closing = self._closing or asyncio.Event()
@@ -37,10 +37,10 @@ class PoolGrowth:
         """Every ``TICK_S``: the seconds the node's trials were blocked on their pieces since the last
         tick (summed over its groups), its trials and whether a lease clock ran go to the growth rule;
         an actor it asks for is started, then handed to every coordinator of the node (a coordinator
-        started meanwhile got the pool's list)."""
+        started meanwhile got the pool's list); a share it gives back or asks for is removed or taken."""
         seen: dict = {}
         began = time.monotonic()
-        while pool.growth.actors < pool.growth.most:
+        while not pool.growth.settled:
             try:
                 await asyncio.wait_for(closing.wait(), TICK_S)
                 return  # the sweep ends
@@ -69,15 +69,22 @@ class PoolGrowth:
                 seen[actor] = answer
         for gone in [a for a in seen if a not in coordinators]:  # bounded by the node's live groups
             del seen[gone]
-        if not pool.growth.tick(waited, trials, leased, TICK_S, time.monotonic() - began):
+        what = pool.growth.tick(waited, trials, leased, TICK_S, time.monotonic() - began)
+        if what is None:
             return
-        logger.info("node %s: %s; starting prep actor %d of at most %d", pool.node, pool.growth.decisions[-1][2],
-                    pool.growth.actors + 1, pool.growth.most)
-        added = await pool.grow()
+        if what == RELEASE:
+            pool.release()
+            logger.info("node %s: %s", pool.node, pool.growth.decisions[-1][2])
+            _gauges(pool)
+            return
+        logger.info("node %s: %s; %s", pool.node, pool.growth.decisions[-1][2],
+                    f"starting prep actor {pool.growth.actors + 1} of at most {pool.growth.most}" if what == GROW
+                    else f"taking {pool.each:.2f} CPUs back for its actors")
+        added = await (pool.grow() if what == GROW else pool.reserve())
         pool.growth.started(added, time.monotonic() - began, "" if added else
                             f"it did not start within pool.start_timeout_s={pool.spec.start_timeout_s}s (no CPU free)")
-        if added:
-            metrics.set_gauge("prep_actors", len(pool.actors), node=pool.node[:16])
+        _gauges(pool)
+        if added and what == GROW:
             await self._hand_actors(pool)
 
     async def _hand_actors(self, pool: NodePool) -> None:
@@ -96,3 +103,9 @@ class PoolGrowth:
             task.cancel()
         await asyncio.gather(*self._growers.values(), return_exceptions=True)
         self._growers.clear()
+
+
+def _gauges(pool: NodePool) -> None:
+    """The node pool's actors and reserved CPUs, on the metrics endpoint."""
+    metrics.set_gauge("prep_actors", len(pool.actors), node=pool.node[:16])
+    metrics.set_gauge("prep_reserved_cpus", pool.reserved_cpus, node=pool.node[:16])

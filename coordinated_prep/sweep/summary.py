@@ -158,7 +158,8 @@ def format_summary(summary: Mapping[str, Any]) -> str:
 
 
 def pool_notes(pools: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """A line per node: its prep actors, and why a pool sized by demand grew (or did not)."""
+    """A line per node: its prep actors and the CPUs they reserve, and why a pool sized by demand grew,
+    gave CPUs back or took them again (or did not)."""
     lines = []
     for node, p in pools.items():
         growth = p.get("growth")
@@ -170,9 +171,18 @@ def pool_notes(pools: Mapping[str, Mapping[str, Any]]) -> list[str]:
                         for at, what, reason in growth.get("decisions", []))
         lines.append(f"Prep pool on node {node[:12]}: {p.get('prep_actors')} of at most {growth.get('most_actors')} "
                      f"actors ({_num(p.get('reserved_cpus'), '{:.2f}')} CPUs reserved); "
-                     + (f"grew {growth.get('grown')} time(s): {why}" if why else
-                        "never grew: the trials did not wait for it"))
+                     + (f"{_changes(growth)}: {why}" if why else "never grew: the trials did not wait for it"))
     return lines
+
+
+def _changes(growth: Mapping[str, Any]) -> str:
+    """How often a pool sized by demand grew, gave a share of CPUs back, and took one again."""
+    said = f"grew {growth.get('grown')} time(s)"
+    if growth.get("released"):
+        said += f", gave CPUs back {growth['released']} time(s) (its preparation ran ahead)"
+    if growth.get("reserved"):
+        said += f", took them again {growth['reserved']} time(s)"
+    return said
 
 
 def sharing_notes(groups: Mapping[str, Mapping[str, Any]]) -> list[str]:
