@@ -4,7 +4,7 @@ rule by which a pool sized by demand grows (:mod:`coordinated_prep.pool.elastic`
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from coordinated_prep import ConfigError
@@ -113,38 +113,58 @@ def test_a_lending_pool_gives_its_cpus_back_while_preparation_runs_ahead_and_tak
             Growth(most=2, **bad)
 
 
-@given(steps=st.lists(st.tuples(st.floats(0.0, 8.0), st.integers(0, 4), st.booleans(), st.booleans()), max_size=80),
+@given(steps=st.lists(st.tuples(st.floats(0.0, 8.0), st.integers(0, 4), st.booleans(), st.booleans(),
+                                 st.integers(0, 2)), max_size=80),
        most=st.integers(1, 6), lends=st.booleans())
+@example(steps=[(2.0, 1, False, True, 0)] * 6, most=4, lends=False)  # asks twice: the window starts again between
+@example(steps=[(2.0, 1, False, True, 0)] * 3 + [(0.0, 2, False, True, 0)] * 6, most=2, lends=True)  # gives back twice
+@settings(max_examples=300, deadline=None)
 def test_growth_is_safe_after_every_step_and_serves_waiting_trials_within_its_bound(steps, most, lends):
     """Safety after each step of a random schedule (per tick: seconds blocked, trials, whether a
-    lease ran; each start asked for succeeds or is given up), then liveness from the state reached,
-    with no other party acting: ticks in which every trial stays blocked ask for a share or an actor
-    within ``BACKOFF + PATIENCE`` ticks (``PATIENCE`` once one was added) until the pool holds its
-    most; then, for a lending pool, ticks in which no trial waits give a share back within ``CALM``
-    ticks until it holds none."""
+    lease ran; each start asked for succeeds or is given up, after 0 to 2 more ticks), then liveness
+    from the state reached, with no other party acting: ticks in which every trial stays blocked ask
+    for a share or an actor within ``BACKOFF + PATIENCE`` ticks (``PATIENCE`` once one was added)
+    until the pool holds its most; then, for a lending pool, ticks in which no trial waits give a
+    share back within ``CALM`` ticks until it holds none."""
     growth = Growth(most=most, lends=lends)
     history: list[tuple[float, bool, bool]] = []  # per tick: mean seconds a trial was blocked, lease ran, trials
-    for waited, trials, leased, ok in steps:
+    last_event = given_up = -10**6  # the tick of the last decision or start resolved; of the last give-up
+    pending: list = []  # a start asked for: [ticks left before it resolves, whether it succeeds]
+    for tick, (waited, trials, leased, ok, delay) in enumerate(steps):
         was_actors, was_shares = growth.actors, growth.shares
         asked = growth.tick(waited, trials, leased, 2.0, 0.0)
         history.append((waited / max(trials, 1), leased, trials > 0))
         if asked in (GROW, RESERVE):
+            assert not pending, "asked while a start was pending"
             last = history[-PATIENCE:]
             assert len(last) == PATIENCE and not any(lease for _, lease, _ in last), "asked on a lease's wait"
             assert sum(w for w, _, _ in last) >= THRESHOLD * 2.0 * PATIENCE, "asked without a window of waiting"
+            assert tick - last_event >= PATIENCE, "the window did not start again after the last decision"
+            assert tick - given_up >= PATIENCE + BACKOFF, "asked again within the back-off"
             assert (asked == RESERVE) == (was_shares < was_actors), "a share held back comes back before an actor"
-            growth.started(ok, 0.0, "" if ok else "no CPU")
+            pending, last_event = [delay, ok], tick
         elif asked == RELEASE:
+            assert not pending, "gave back while a start was pending"
             last = history[-CALM:]
             assert lends and len(last) == CALM and all(t and not lease for _, lease, t in last), "gave back unseen"
             assert sum(w for w, _, _ in last) <= LOW * 2.0 * CALM, "gave back while trials waited"
+            assert tick - last_event >= CALM, "the calm window did not start again after the last decision"
             assert growth.shares == was_shares - 1
+            last_event = tick
         else:
             assert asked is None
-        assert 1 <= growth.actors <= most and 0 <= growth.shares <= growth.actors and not growth.starting
-        assert lends or growth.shares == growth.actors
+        if pending and pending[0] == 0:
+            growth.started(pending[1], 0.0, "" if pending[1] else "no CPU")
+            given_up = given_up if pending[1] else tick
+            pending, last_event = [], tick
+        elif pending:
+            pending[0] -= 1
+        assert 1 <= growth.actors <= most and 0 <= growth.shares <= growth.actors
+        assert bool(growth.starting) == bool(pending) and (lends or growth.shares == growth.actors)
         assert 0 <= growth.actors - was_actors <= 1 and abs(growth.shares - was_shares) <= 1
         assert len(growth.report()["decisions"]) <= 16
+    if pending:
+        growth.started(pending[1], 0.0, "" if pending[1] else "no CPU")
     bound = BACKOFF + PATIENCE
     while growth.shares < most:
         ticks = 1

@@ -26,10 +26,11 @@ to :meth:`Growth.tick`, which answers with one of:
   (per trial), the lease clock of no group ran (a full budget is the lease's business: another
   actor would not help), and no start is pending. The window starts again after each decision, so
   a sweep's first pieces (every trial waits for the pool's first results) grow it only if the
-  waiting lasts ``patience`` ticks. A share or an actor asked for that does not start within the
-  pool's ``start_timeout_s`` (no CPU came free: the trials hold them) is given up, and the pool
-  does not ask again for ``backoff`` ticks (a pending request competes with Tune's next trial for
-  the next CPU that comes free).
+  waiting lasts ``patience`` ticks. A share not placed within ``SHARE_TIMEOUT_S``, or an actor
+  that does not start within the pool's ``start_timeout_s`` (no CPU came free: the trials hold
+  them), is given up, and the pool does not ask again for ``backoff`` ticks (a pending request
+  competes with Tune's next trial for the next CPU that comes free). A pool that gave a share back
+  takes it again before it grows.
 - ``RELEASE`` (a lending pool only): give one share back to Tune when, over the last ``calm``
   ticks, the node had trials, no lease clock ran, and its trials were blocked at most ``low`` of the
   time on average: preparation runs ahead of them. The pool keeps its actors (they prepare on the
@@ -68,6 +69,10 @@ CALM = 3
 #: The most share of the window a trial of the node may have been blocked, on average, for that.
 LOW = 0.02
 
+#: Longest wait for a share of CPUs asked for to be placed before it is given up (the trials hold
+#: them): short, since a pending share competes with Tune's next trial for the next CPU to come free.
+SHARE_TIMEOUT_S = 10.0
+
 #: What :meth:`Growth.tick` asks of the pool.
 GROW, RESERVE, RELEASE = "grow", "reserve", "release"
 
@@ -98,7 +103,8 @@ class Growth:
     #: What is starting (``GROW`` or ``RESERVE``) until :meth:`started`; None: nothing.
     starting: str | None = None
     shares: int = -1  # shares of the node's CPUs held (set to ``actors`` at the start)
-    #: The windows: per tick, the mean seconds a trial was blocked (None: a lease ran, or no trial).
+    #: The windows: per tick, the mean seconds a trial was blocked (None: a lease ran; in the calm
+    #: window, a tick without trials ends it).
     window: collections.deque = field(default_factory=collections.deque)
     calm_window: collections.deque = field(default_factory=collections.deque)
     quiet: int = 0  # ticks left of the back-off
@@ -115,9 +121,9 @@ class Growth:
         if (not 1 <= self.actors <= self.most or self.patience < 1 or self.calm < 1 or not 0.0 < self.threshold <= 1.0
                 or not 0.0 <= self.low < self.threshold or not 0 <= self.shares <= self.actors
                 or (not self.lends and self.shares != self.actors)):
-            raise ValueError(f"Growth(most={self.most}, actors={self.actors}, shares={self.shares}, lends={self.lends}, "
-                             f"patience={self.patience}, calm={self.calm}, threshold={self.threshold}, low={self.low}) "
-                             "is not a pool's growth")
+            raise ValueError(f"Growth(most={self.most}, actors={self.actors}, shares={self.shares}, "
+                             f"lends={self.lends}, patience={self.patience}, calm={self.calm}, "
+                             f"threshold={self.threshold}, low={self.low}) is not a pool's growth")
 
     @property
     def settled(self) -> bool:

@@ -34,7 +34,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from coordinated_prep.cache.layout import CacheLayout
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import PrepError
-from coordinated_prep.pool.elastic import Growth
+from coordinated_prep.pool.elastic import SHARE_TIMEOUT_S, Growth
 from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.pool.prep_actor import PrepActor
 from coordinated_prep.tier.actor import DecodedTier
@@ -86,7 +86,8 @@ class NodePool:
                                                                                  CLAIM_TIMEOUT_S)
         tier = self._handed = (self.tier, CLAIM_TIMEOUT_S) if self.tier is not None else None
         self._cache = cache
-        self.starting: Any = None  # an actor asked for by the growth, until it is added or given up
+        self.starting: Any = None  # an actor or a share asked for by the growth, until it is added or given up
+        self.given_up_why = ""  # why the last one asked for was given up
         self.lent = bool(lent)
         if lent:  # warm: this sweep's cache and tier, and nothing of the last sweep's kept
             self.actors: list[Any] = list(lent)
@@ -116,12 +117,12 @@ class NodePool:
     async def reserve(self) -> bool:
         """Take one share of the node's CPUs again (a lending pool); True once it is held.
 
-        A share that is not placed within ``start_timeout_s`` (the trials hold the CPUs) is removed
+        A share that is not placed within ``SHARE_TIMEOUT_S`` (the trials hold the CPUs) is removed
         and given up.
         """
         self.starting = share = self._new_share()
         try:
-            await asyncio.wait_for(share.ready(), self.spec.start_timeout_s)
+            await asyncio.wait_for(share.ready(), min(SHARE_TIMEOUT_S, self.spec.start_timeout_s))
         except asyncio.CancelledError:  # the sweep ends meanwhile
             remove_placement_group(share)
             raise
@@ -129,6 +130,9 @@ class NodePool:
             logger.info("node %s: a share of %.2f CPUs was not placed (%r); the pool holds %d", self.node, self.each,
                         e, len(self.shares))
             remove_placement_group(share)
+            waited = min(SHARE_TIMEOUT_S, self.spec.start_timeout_s)
+            self.given_up_why = (f"no CPU came free for its share within {waited:.0f} s" if isinstance(e, asyncio.TimeoutError)
+                                 else f"its share failed: {e!r}")
             return False
         finally:
             self.starting = None
@@ -137,7 +141,8 @@ class NodePool:
 
     def release(self) -> None:
         """Give one share of the node's CPUs back to Tune (a lending pool); its actors keep running."""
-        remove_placement_group(self.shares.pop())
+        remove_placement_group(self.shares[-1])  # first: a share that failed to go stays the pool's to remove
+        self.shares.pop()
 
     async def grow(self) -> bool:
         """Start one more actor and add it once it can prepare (imported torch); True if it was added.
@@ -161,6 +166,8 @@ class NodePool:
             ray.kill(actor, no_restart=True)
             if self.lends:
                 self.release()
+            self.given_up_why = (f"it did not start within pool.start_timeout_s={self.spec.start_timeout_s}s (no CPU "
+                                 "free)" if isinstance(e, asyncio.TimeoutError) else f"it died starting: {e!r}")
             return False
         finally:
             self.starting = None

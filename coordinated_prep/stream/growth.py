@@ -81,8 +81,7 @@ class PoolGrowth:
                     f"starting prep actor {pool.growth.actors + 1} of at most {pool.growth.most}" if what == GROW
                     else f"taking {pool.each:.2f} CPUs back for its actors")
         added = await (pool.grow() if what == GROW else pool.reserve())
-        pool.growth.started(added, time.monotonic() - began, "" if added else
-                            f"it did not start within pool.start_timeout_s={pool.spec.start_timeout_s}s (no CPU free)")
+        pool.growth.started(added, time.monotonic() - began, "" if added else pool.given_up_why)
         _gauges(pool)
         if added and what == GROW:
             await self._hand_actors(pool)
