@@ -178,3 +178,34 @@ def test_a_node_leaving_mid_sweep_sends_its_part_back_to_storage_and_the_others_
     assert set(reads[mine].tolist()) == {1}  # the surviving caches kept serving their parts
     assert reads[~mine].min() >= 1 and reads[~mine].max() <= EPOCHS
     assert reads[~mine].sum() > (~mine).sum()  # after the loss, node_b's part came from storage again
+
+
+def test_a_lending_pool_holds_its_shares_of_cpus_on_its_own_node_and_gives_them_back(cluster):
+    """A pool sized by demand holds each actor's share of CPUs as a placement group pinned to its node
+    (by the ``ray.io/node-id`` label), whatever node has CPUs free, and removes it when it gives the
+    share back or ends. Here a pool for node_b of (as if) 2 CPUs: 1 actor, 0.5 CPU."""
+    import asyncio
+    import dataclasses
+
+    from ray.util import placement_group_table
+
+    from coordinated_prep.pool.node import NodePool
+
+    _, nodes = cluster
+    node = nodes["node_b"].node_id
+    pool = NodePool(node, 2.0, 200 * 2**20, PoolSpec(decoded_fraction=0), None)
+    try:
+        assert pool.lends and pool.growth.shares == len(pool.shares) == 1 and pool.reserved_cpus == 0.5
+        asyncio.run(pool.ready())
+        [share] = pool.shares
+        assert set(placement_group_table(share)["bundles_to_node_id"].values()) == {node}
+        assert asyncio.run(pool.reserve()), "a second share fits beside the first (node_b has 1 CPU)"
+        assert set(placement_group_table(pool.shares[1])["bundles_to_node_id"].values()) == {node}
+        pool.spec = dataclasses.replace(pool.spec, start_timeout_s=1.0)  # a refusal within 1 s, not SHARE_TIMEOUT_S
+        assert not asyncio.run(pool.reserve()) and "no CPU came free" in pool.given_up_why, "node_b is full"
+        assert len(pool.shares) == 2 and pool.reserved_cpus == 1.0
+        pool.release()
+        assert placement_group_table(share)["state"] == "CREATED" and len(pool.shares) == 1
+    finally:
+        pool.kill()
+    assert placement_group_table(share)["state"] == "REMOVED" and pool.shares == []
