@@ -183,7 +183,8 @@ def test_a_node_leaving_mid_sweep_sends_its_part_back_to_storage_and_the_others_
 def test_a_lending_pool_holds_its_shares_of_cpus_on_its_own_node_and_gives_them_back(cluster):
     """A pool sized by demand holds each actor's share of CPUs as a placement group pinned to its node
     (by the ``ray.io/node-id`` label), whatever node has CPUs free, and removes it when it gives the
-    share back or ends. Here a pool for node_b of (as if) 2 CPUs: 1 actor, 0.5 CPU."""
+    share back or ends. Here a pool for node_a (the test before removes node_b) of (as if) 2 CPUs: 1
+    actor, 0.5 CPU."""
     import asyncio
     import dataclasses
 
@@ -192,17 +193,17 @@ def test_a_lending_pool_holds_its_shares_of_cpus_on_its_own_node_and_gives_them_
     from coordinated_prep.pool.node import NodePool
 
     _, nodes = cluster
-    node = nodes["node_b"].node_id
+    node = nodes["node_a"].node_id
     pool = NodePool(node, 2.0, 200 * 2**20, PoolSpec(decoded_fraction=0), None)
     try:
         assert pool.lends and pool.growth.shares == len(pool.shares) == 1 and pool.reserved_cpus == 0.5
         asyncio.run(pool.ready())
         [share] = pool.shares
         assert set(placement_group_table(share)["bundles_to_node_id"].values()) == {node}
-        assert asyncio.run(pool.reserve()), "a second share fits beside the first (node_b has 1 CPU)"
+        assert asyncio.run(pool.reserve()), "a second share fits beside the first (node_a has 1 CPU)"
         assert set(placement_group_table(pool.shares[1])["bundles_to_node_id"].values()) == {node}
         pool.spec = dataclasses.replace(pool.spec, start_timeout_s=1.0)  # a refusal within 1 s, not SHARE_TIMEOUT_S
-        assert not asyncio.run(pool.reserve()) and "no CPU came free" in pool.given_up_why, "node_b is full"
+        assert not asyncio.run(pool.reserve()) and "no CPU came free" in pool.given_up_why, "node_a is full"
         assert len(pool.shares) == 2 and pool.reserved_cpus == 1.0
         pool.release()
         assert placement_group_table(share)["state"] == "CREATED" and len(pool.shares) == 1
