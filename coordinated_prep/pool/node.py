@@ -131,8 +131,8 @@ class NodePool:
                         e, len(self.shares))
             remove_placement_group(share)
             waited = min(SHARE_TIMEOUT_S, self.spec.start_timeout_s)
-            self.given_up_why = (f"no CPU came free for its share within {waited:.0f} s" if isinstance(e, asyncio.TimeoutError)
-                                 else f"its share failed: {e!r}")
+            self.given_up_why = (f"no CPU came free for its share within {waited:.0f} s"
+                                 if isinstance(e, asyncio.TimeoutError) else f"its share failed: {e!r}")
             return False
         finally:
             self.starting = None
