@@ -188,9 +188,13 @@ class DataSpec:
     def _check_dataset_and_transforms(self) -> None:
         """Factories from mappings, map-style datasets, callables, and torchvision's exclusions."""
         from coordinated_prep.pipeline.datasets import Factory, check_map_style
+        from coordinated_prep.pipeline.streamed import StreamedShards, is_map_style, is_sharded
 
         for name in ("dataset", *TRANSFORM_FIELDS):
             value = getattr(self, name)
+            if isinstance(value, Mapping) and type(value).__module__.startswith("datasets"):  # DatasetDict
+                raise ConfigError(f"data.{name} is a Hugging Face {type(value).__name__} of the splits {list(value)}: "
+                                  "give one split (dataset['train'])")
             if isinstance(value, Mapping):
                 object.__setattr__(self, name, Factory.from_mapping(value, f"data.{name}"))
         if isinstance(self.dataset, str):
@@ -198,6 +202,8 @@ class DataSpec:
                 raise ConfigError("data.dataset='' must be 'builtin:<name>', a directory path, a map-style dataset or "
                                   "{factory: 'pkg.mod:make', args: {...}}")
         elif not isinstance(self.dataset, Factory):
+            if not is_map_style(self.dataset) and is_sharded(self.dataset):  # read by shard, spilled per node
+                object.__setattr__(self, "dataset", StreamedShards(self.dataset))
             check_map_style(self.dataset, "data.dataset")
         for name in TRANSFORM_FIELDS:
             value = getattr(self, name)

@@ -1,8 +1,9 @@
 """The shared exactly-once harness, run with the user pipelines: CIFAR-style arrays through a v2.Compose
-with RandAugment, segmentation (image and mask cropped together), audio (waveforms to log-mel), and a
-detection-like target whose boxes vary in number. Each is a real sweep of concurrent trials sharing one
-group; each trial's epochs hold every training sample once, with the bytes the unshared pipeline makes
-in this process (prepared in the sweep by two prep actors, piece by piece in turn)."""
+with RandAugment, segmentation (image and mask cropped together), audio (waveforms to log-mel), a
+detection-like target whose boxes vary in number, and a team's own IterableDataset read by shard.
+Each is a real sweep of concurrent trials sharing one group; each trial's epochs hold every training
+sample once, with the bytes the unshared pipeline makes in this process (prepared in the sweep by two
+prep actors, piece by piece in turn)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from coordinated_prep.plan import holdout_split
 from tests.conftest import live_coordprep_actors
 from tests.harness import assert_exactly_once, batch_digests, stream_samples
 from tests.test_datasets import OwnGenerator
+from tests.test_streamed import AUGMENT, Shards, reads
 
 EPOCHS = 2
 pytestmark = pytest.mark.usefixtures("warm_pool")  # the module's sweeps keep their prep actors for the next
@@ -58,6 +60,8 @@ PIPELINES = {
                   transform=Factory("trainables.data.audio:train_transform"),
                   eval_transform=Factory("trainables.data.audio:eval_transform")),
     "detection": dict(dataset=Detection(), transforms=v2.Compose([v2.RandomHorizontalFlip(), v2.ColorJitter(0.5)])),
+    # A team's own IterableDataset, read by shard (coordinated_prep/pipeline/streamed.py).
+    "streamed": dict(dataset=Shards(n=120, seed=1), transform=AUGMENT),
 }
 
 
@@ -160,6 +164,12 @@ def test_user_pipelines_share_exact_epochs_with_the_unshared_bytes(pipelines_swe
     assert report["samples_prepared"] == want, report
     assert report["prep_actors"] == 2 and report["pieces_prepared"] >= 2, report
     assert left == []
+
+
+def test_a_streamed_dataset_s_shards_are_each_read_once_for_the_whole_sweep(pipelines_sweep):
+    """Its prep actors, coordinator and trials, and the references above, read the node's spill."""
+    dataset = PIPELINES["streamed"]["dataset"]
+    assert reads(dataset.log_path) == [1] * dataset.n_shards
 
 
 FAILING = {

@@ -58,6 +58,7 @@ from coordinated_prep.stream.growth import PoolGrowth
 from coordinated_prep.stream.indexes import Indexes, start_bound_s  # noqa: F401  (its old home)
 from coordinated_prep.naming import CALL_TIMEOUT_S, LIVENESS_TIMEOUT_S, NAMESPACE
 from coordinated_prep.pipeline.probe import PROBED
+from coordinated_prep.pipeline.streamed import StreamedShards
 from coordinated_prep.pipeline.sources.fingerprint import Fingerprint
 from coordinated_prep.plan import piece_size
 from coordinated_prep.pool.node import NodePool, node_table
@@ -324,8 +325,10 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports, PoolGrowth):
         try:
             return await asyncio.wait_for(pool.actors[0].probe.remote(spec, mode), spec.fetch_timeout_s)
         except asyncio.TimeoutError:
+            streamed = ("; a dataset read by shard is read whole, once per node, before its first sample: raise "
+                        "fetch_timeout_s to cover that read" if isinstance(spec.dataset, StreamedShards) else "")
             raise ConfigError(f"data group {spec.group_key} ({spec.dataset_name}): preparing its first {PROBED} samples "
-                              f"took longer than fetch_timeout_s={spec.fetch_timeout_s}s") from None
+                              f"took longer than fetch_timeout_s={spec.fetch_timeout_s}s{streamed}") from None
         except ray.exceptions.RayTaskError as e:
             raise (e.cause if isinstance(e.cause, CoordinatedPrepError) else e) from None
 

@@ -90,7 +90,7 @@ def _fetch(url: str, folder: str) -> str:
     if os.path.exists(path):
         return path
     asked = time.time()
-    with _locked(path + ".lock", url):
+    with node_lock(path + ".lock", f"shard {url}"):
         if os.path.exists(path):
             return path  # an earlier holder fetched it
         failed = path + ".failed"
@@ -130,7 +130,7 @@ def _fetch(url: str, folder: str) -> str:
     raise DatasetError(message)
 
 
-class _locked:
+class node_lock:
     """The exclusive ``flock`` of ``lock_path`` for the ``with`` block, waited for at most :data:`LOCK_WAIT_S`.
 
     The kernel releases a dead holder's lock; the deadline covers a live holder that hangs. A flock
@@ -139,8 +139,8 @@ class _locked:
     lock, releases it at once and closes its file: an abandoned wait never keeps the lock.
     """
 
-    def __init__(self, lock_path: str, url: str) -> None:
-        self.path, self.url = lock_path, url
+    def __init__(self, lock_path: str, what: str) -> None:
+        self.path, self.what = lock_path, what  # what the holder writes, for the error: "shard <url>"
         self.file = open(lock_path, "a+b")
 
     def __enter__(self) -> None:
@@ -170,7 +170,7 @@ class _locked:
             if not taken.is_set():
                 state["abandoned"] = True  # the thread releases the lock and closes the file
                 raise DatasetError(
-                    f"shard {self.url}: another process of this node has been fetching it for more than "
+                    f"{self.what}: another process of this node has been fetching it for more than "
                     f"{LOCK_WAIT_S:g} s and still holds {self.path}; find it with 'fuser {self.path}' and end it "
                     "(its download hung: check the network to the store), then open the dataset again")
 

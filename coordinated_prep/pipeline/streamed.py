@@ -1,0 +1,194 @@
+"""Iterable datasets read by shard: their contract, and the map-style view a sweep plans on.
+
+A sweep plans every epoch ahead (which sample goes in which piece, for every trial, joiner and
+rank), so it needs random access by index. An iterable dataset gives it if it can be read shard by
+shard. **The contract** (Hugging Face's ``datasets.IterableDataset`` meets it as it is, streamed or
+not; a team's own ``torch.utils.data.IterableDataset`` adds two members):
+
+- ``n_shards``: the number of shards, an ``int`` >= 1;
+- ``shard(num_shards, index)``: an iterable of the samples of shard ``index`` (called with
+  ``num_shards = n_shards``), the same samples in the same order every time it is called, in any
+  process (no shuffling of its own: the sweep shuffles, by its seed);
+- the object pickles (it travels to the prep actors with the spec), and its samples pickle.
+
+:class:`StreamedShards` is the map-style view. On each node, the first process that needs the data
+(the prep actor that starts the group, or an unshared trial) reads every shard once, in order, and
+spills its samples (pickled) to the node's shard cache, ``$COORDPREP_CACHE/shards/streamed-<key>/``,
+where ``<key>`` is the SHA-256 of the dataset's pickle (the group key's). Every other process of the
+node, and every later epoch and sweep, reads those local copies by index. So a remote shard is read
+sequentially, once per node for the whole sweep (ray#45042's request), and never at random.
+Sample ``i`` is the ``i``-th sample of the shards taken in order, as with tar shards.
+
+Per shard the spill is two files: ``<shard>.samples`` (the pickles, back to back) and
+``<shard>.offsets.npy`` (int64, one more than its samples). Each is written to ``.part``, synced and
+renamed, the offsets last, so a shard whose offsets exist is whole. Writers of one node serialise on
+the shard's ``flock`` (:class:`~coordinated_prep.pipeline.sources.remote.node_lock`: the kernel
+releases a dead holder's lock; a live holder is waited for at most ``LOCK_WAIT_S``).
+
+What the contract cannot check, and the docs say: a dataset whose shards change between reads (a
+listing of a bucket that grows, say) is read as it was at the first read on each node; delete
+``streamed-<key>`` to read it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+from typing import Any
+
+import numpy as np
+
+from coordinated_prep.errors import ConfigError, DatasetError
+
+logger = logging.getLogger(__name__)
+
+CONTRACT = ("an iterable dataset is read by shard when it has n_shards (an int >= 1) and shard(num_shards, "
+            "index) giving the same samples of one shard on every call, as Hugging Face's IterableDataset has")
+
+
+def is_sharded(dataset: Any) -> bool:
+    """Whether ``dataset`` offers the shard contract's two members (its values are checked by :class:`StreamedShards`)."""
+    return hasattr(dataset, "n_shards") and callable(getattr(dataset, "shard", None))
+
+
+def is_map_style(dataset: Any) -> bool:
+    """Whether ``dataset``'s class has ``__len__`` and ``__getitem__``."""
+    return all(hasattr(type(dataset), m) for m in ("__len__", "__getitem__"))
+
+
+class StreamedShards:
+    """A map-style view of a sharded iterable ``source`` (the module's contract), spilled once per node.
+
+    Args:
+        source: The iterable dataset.
+        key: Its identity (the spill folder's name); None: the SHA-256 of its pickle.
+        name: How errors name it.
+
+    Raises:
+        ConfigError: ``n_shards`` is not an int >= 1, or the dataset does not pickle.
+    """
+
+    def __init__(self, source: Any, key: str | None = None, name: str | None = None) -> None:
+        shards = getattr(source, "n_shards", None)
+        self.name = name or f"{type(source).__module__}.{type(source).__qualname__}"
+        if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+            raise ConfigError(f"data.dataset={self.name}: n_shards={shards!r} must be an int >= 1 ({CONTRACT})")
+        if key is None:
+            from coordinated_prep.pipeline.datasets import object_key
+
+            key = object_key(source, "data.dataset")
+        self.source = source
+        self.n_shards = shards
+        self.key = hashlib.sha256(key.encode()).hexdigest()[:16]
+        self._ends: np.ndarray | None = None  # per shard, its last sample's index + 1 (loaded per process)
+        self._offsets: list[np.ndarray] = []
+        self._files: dict[int, int] = {}  # shard -> an open descriptor of its samples (per process)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"source": self.source, "n_shards": self.n_shards, "key": self.key, "name": self.name}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _ends=None, _offsets=[], _files={})
+
+    def __repr__(self) -> str:
+        return f"StreamedShards({self.name}, {self.n_shards} shards)"
+
+    @property
+    def folder(self) -> str:
+        """This node's spill of the dataset."""
+        from coordinated_prep.pipeline.sources.remote import shard_cache_dir
+
+        return os.path.join(shard_cache_dir(), f"streamed-{self.key}")
+
+    def __len__(self) -> int:
+        return int(self._index()[-1])
+
+    def __getitem__(self, index: int) -> Any:
+        ends = self._index()
+        if not 0 <= index < ends[-1]:
+            raise IndexError(f"{self.name}: sample {index} of {int(ends[-1])}")
+        shard = int(np.searchsorted(ends, index, side="right"))
+        offsets = self._offsets[shard]
+        at = index - (int(ends[shard - 1]) if shard else 0)
+        start, stop = int(offsets[at]), int(offsets[at + 1])
+        fd = self._files.get(shard)
+        if fd is None:
+            fd = self._files[shard] = os.open(self._path(shard, "samples"), os.O_RDONLY)
+        return pickle.loads(os.pread(fd, stop - start, start))
+
+    def describe(self, index: int) -> str:
+        """Where sample ``index`` lives: its shard and place in it."""
+        ends = self._index()
+        shard = int(np.searchsorted(ends, index, side="right"))
+        return f"{self.name}, shard {shard}, sample {index - (int(ends[shard - 1]) if shard else 0)}"
+
+    def _path(self, shard: int, kind: str) -> str:
+        return os.path.join(self.folder, f"{shard:06d}.{kind}")
+
+    def _index(self) -> np.ndarray:
+        """Every shard's offsets, spilling the shards this node lacks first (once per process)."""
+        if self._ends is None:
+            os.makedirs(self.folder, exist_ok=True)
+            self._offsets = [self._spilled(shard) for shard in range(self.n_shards)]
+            self._ends = np.cumsum([len(o) - 1 for o in self._offsets])
+            if self._ends[-1] == 0:
+                raise DatasetError(f"data.dataset={self.name}: its {self.n_shards} shards yielded no sample")
+        return self._ends
+
+    def _spilled(self, shard: int) -> np.ndarray:
+        """Shard ``shard``'s offsets, read from the source and spilled first if this node lacks it."""
+        from coordinated_prep.pipeline.sources.remote import node_lock
+
+        offsets_path = self._path(shard, "offsets.npy")
+        if not os.path.exists(offsets_path):
+            with node_lock(offsets_path + ".lock", f"{self.name} #{shard}"):
+                if not os.path.exists(offsets_path):  # an earlier holder spilled it meanwhile
+                    self._spill(shard, offsets_path)
+        return np.load(offsets_path)
+
+    def _spill(self, shard: int, offsets_path: str) -> None:
+        samples_path = self._path(shard, "samples")
+        try:
+            self._write(shard, samples_path, offsets_path)
+        finally:
+            for part in (samples_path + ".part", offsets_path + ".part"):
+                if os.path.exists(part):  # a failed read leaves nothing half written
+                    os.remove(part)
+
+    def _write(self, shard: int, samples_path: str, offsets_path: str) -> None:
+        offsets = [0]
+        with open(samples_path + ".part", "wb") as out:
+            try:
+                for position, sample in enumerate(self.source.shard(self.n_shards, shard)):
+                    try:
+                        blob = pickle.dumps(sample, protocol=5)
+                    except Exception as e:
+                        raise DatasetError(f"data.dataset={self.name}: sample {position} of shard {shard} does not "
+                                           f"pickle ({type(e).__name__}: {e}); samples travel between processes, so "
+                                           "they must pickle (arrays, tensors, PIL images, numbers, strings)") from e
+                    out.write(blob)
+                    offsets.append(offsets[-1] + len(blob))
+            except DatasetError:
+                raise
+            except Exception as e:  # the user's shard(): named with its shard, and the contract
+                raise DatasetError(f"data.dataset={self.name}: reading shard {shard} of {self.n_shards} raised "
+                                   f"{type(e).__name__}: {e} ({CONTRACT})") from e
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(samples_path + ".part", samples_path)
+        with open(offsets_path + ".part", "wb") as f:
+            np.save(f, np.asarray(offsets, dtype=np.int64))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(offsets_path + ".part", offsets_path)
+        logger.info("%s: shard %d spilled to %s (%d samples, %d bytes)", self.name, shard, self.folder,
+                    len(offsets) - 1, offsets[-1])
+
+    def __del__(self) -> None:
+        for fd in getattr(self, "_files", {}).values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
