@@ -66,17 +66,6 @@ def test_a_straggler_is_detached_after_the_lease_and_keeps_exact_epochs(ray_sess
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
-def test_a_prep_actor_killed_mid_epoch_is_replaced_and_its_work_redone(ray_session, small_dataset, tmp_path):
-    baseline = plasma_objects()
-    spec = _spec(small_dataset)
-    analysis, reports = _run({"data": spec, "batch_size": 8, "epochs": 2,
-                              "fault": tune.grid_search(["kill_prep", None])}, tmp_path)
-    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
-    for trial, epochs in load_records(str(tmp_path)).items():
-        check_trial_records(spec, epochs, 8, trial)  # byte-identical: re-prepared pieces equal the originals
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
-
-
 def test_a_trial_killed_mid_epoch_is_retried_and_rejoins(ray_session, small_dataset, tmp_path, warm_pool):
     baseline = plasma_objects()
     spec = _spec(small_dataset, lease_s=2.0)
@@ -108,25 +97,6 @@ def test_a_killed_coordinator_fails_its_trials_clearly_and_their_retries_join_a_
     for trial, epochs in load_records(str(tmp_path)).items():
         check_trial_records(spec, epochs, 8, trial)
     assert settled(lambda: pids_titled("ray::Coordinator"), []) == [], "a coordinator process outlived the sweep"
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
-
-
-def test_skip_policy_leaves_a_truncated_jpeg_out_for_every_trial(ray_session, tmp_path):
-    root = make_imagefolder(str(tmp_path / "data"), classes=2, per_class=20, png_every=99)
-    spec = _spec(root, holdout=0.0, on_error="skip")
-    victim = open_source(root).paths[5]
-    with open(victim, "r+b") as f:
-        f.truncate(60)
-    open_source.cache_clear()
-    baseline = plasma_objects()
-    analysis, reports = _run({"data": spec, "batch_size": 8, "epochs": 2, "score": tune.grid_search([1, 2])},
-                             tmp_path / "records")
-    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
-    [report] = reports.values()
-    assert report["samples_skipped"] == 1
-    expected = [i for i in train_ids(spec) if i != 5]
-    for trial, epochs in load_records(str(tmp_path / "records")).items():
-        assert_exactly_once([e["indices"] for e in epochs], expected, trial)
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
@@ -191,3 +161,34 @@ def test_a_loader_dropped_without_close_leaves_its_group(ray_session, small_data
         assert settled(consumers, []) == []
     finally:
         searcher.close()
+
+
+
+def test_a_prep_actor_killed_mid_epoch_is_replaced_and_its_work_redone(ray_session, small_dataset, tmp_path):
+    baseline = plasma_objects()
+    spec = _spec(small_dataset)
+    analysis, reports = _run({"data": spec, "batch_size": 8, "epochs": 2,
+                              "fault": tune.grid_search(["kill_prep", None])}, tmp_path)
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    for trial, epochs in load_records(str(tmp_path)).items():
+        check_trial_records(spec, epochs, 8, trial)  # byte-identical: re-prepared pieces equal the originals
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
+
+
+def test_skip_policy_leaves_a_truncated_jpeg_out_for_every_trial(ray_session, tmp_path):
+    root = make_imagefolder(str(tmp_path / "data"), classes=2, per_class=20, png_every=99)
+    spec = _spec(root, holdout=0.0, on_error="skip")
+    victim = open_source(root).paths[5]
+    with open(victim, "r+b") as f:
+        f.truncate(60)
+    open_source.cache_clear()
+    baseline = plasma_objects()
+    analysis, reports = _run({"data": spec, "batch_size": 8, "epochs": 2, "score": tune.grid_search([1, 2])},
+                             tmp_path / "records")
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    [report] = reports.values()
+    assert report["samples_skipped"] == 1
+    expected = [i for i in train_ids(spec) if i != 5]
+    for trial, epochs in load_records(str(tmp_path / "records")).items():
+        assert_exactly_once([e["indices"] for e in epochs], expected, trial)
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline

@@ -123,6 +123,7 @@ def test_asha_stops_trials_early_without_leaks(ray_session, small_dataset, tmp_p
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
+@pytest.mark.usefixtures("warm_pool")  # it starts no pool: the kept one stays for the module's next sweep
 def test_sharing_without_the_searcher_is_a_clear_error_in_the_trial(ray_session, small_dataset, tmp_path):
     analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}),
                         config={"data": _spec(small_dataset), "batch_size": 8, "epochs": 1, "out": str(tmp_path)},
