@@ -188,7 +188,7 @@ class DataSpec:
     def _check_dataset_and_transforms(self) -> None:
         """Factories from mappings, map-style datasets, callables, and torchvision's exclusions."""
         from coordinated_prep.pipeline.datasets import Factory, check_map_style
-        from coordinated_prep.pipeline.streamed import StreamedShards, is_map_style, is_sharded
+        from coordinated_prep.pipeline.streamed import as_streamed
 
         for name in ("dataset", *TRANSFORM_FIELDS):
             value = getattr(self, name)
@@ -202,8 +202,9 @@ class DataSpec:
                 raise ConfigError("data.dataset='' must be 'builtin:<name>', a directory path, a map-style dataset or "
                                   "{factory: 'pkg.mod:make', args: {...}}")
         elif not isinstance(self.dataset, Factory):
-            if not is_map_style(self.dataset) and is_sharded(self.dataset):  # read by shard, spilled per node
-                object.__setattr__(self, "dataset", StreamedShards(self.dataset))
+            streamed = as_streamed(self.dataset)  # an iterable read by shard, spilled once per node
+            if streamed is not None:
+                object.__setattr__(self, "dataset", streamed)
             check_map_style(self.dataset, "data.dataset")
         for name in TRANSFORM_FIELDS:
             value = getattr(self, name)

@@ -1,6 +1,7 @@
 """Iterable datasets read by shard (coordinated_prep/pipeline/streamed.py): the contract against the
 map-style twin of the same samples, a team's own IterableDataset and Hugging Face's streamed one, each
-shard read once per node, and each refusal. The shared sweep is tests/test_user_pipelines.py's "streamed"."""
+shard read once per node, and each refusal. The shared sweeps, and ray.data (which needs Ray), are in
+tests/test_user_pipelines.py ("streamed", "ray_data")."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torchvision.transforms import v2
 
 from coordinated_prep import DataSpec, eval_loader, train_loader
 from coordinated_prep.errors import ConfigError, DatasetError
-from coordinated_prep.pipeline import ArrayDataset
+from coordinated_prep.pipeline import ArrayDataset, Factory
 from coordinated_prep.pipeline.streamed import StreamedShards
 
 AUGMENT = v2.Compose([v2.RandomResizedCrop(8, scale=(0.5, 1.0), antialias=True), v2.RandomHorizontalFlip()])
@@ -53,6 +54,24 @@ class Shards(torch.utils.data.IterableDataset):
             yield from self.shard(self.n_shards, k)
 
 
+def ray_row(row: dict) -> dict:
+    """Row ``id`` of a ray.data pipeline: a 3 x 12 x 12 image drawn from its id, and a label."""
+    i = int(row["id"])
+    return {"image": np.random.default_rng(i).integers(0, 256, (3, 12, 12), dtype=np.uint8), "label": i % 5}
+
+
+def ray_rows(n: int):
+    """A ray.data pipeline of ``n`` rows, lazy (nothing runs until it is read or materialized)."""
+    import ray.data
+
+    return ray.data.range(n).map(ray_row)
+
+
+def ray_pair(sample: dict):
+    """A ray.data row to an augmented (image, label) pair: one transform of the whole sample."""
+    return AUGMENT(torch.from_numpy(np.array(sample["image"]))), int(sample["label"])
+
+
 def reads(log: str) -> list[int]:
     """How often each shard was read, by shard."""
     with open(log) as f:
@@ -84,6 +103,17 @@ def test_a_team_s_sharded_iterable_gives_its_map_style_twin_s_batches_and_reads_
     assert_same_batches(*held)
     assert reads(log) == [1, 1, 1, 1], "each shard read once on this node, whoever read the samples"
     assert len(os.listdir(streamed.dataset.folder)) == 4 * 3  # per shard: samples, offsets, the lock
+
+
+def shards(n: int, seed: int) -> Shards:
+    """A factory of :class:`Shards`, as YAML names a dataset (``{factory: tests.test_streamed:shards, ...}``)."""
+    return Shards(n=n, seed=seed)
+
+
+def test_a_factory_of_a_sharded_iterable_is_read_by_shard_in_each_process_that_builds_it():
+    common = dict(transform=AUGMENT, seed=2, chunk_size=8, segments=2, holdout=0.1, coordinated=False)
+    made = DataSpec(dataset=Factory("tests.test_streamed:shards", {"n": 50, "seed": 3}), **common)
+    assert_same_batches(batches(made), batches(DataSpec(dataset=Shards(n=50, seed=3), **common)))
 
 
 def test_a_hugging_face_dataset_streamed_by_shard_gives_the_map_style_one_s_batches():

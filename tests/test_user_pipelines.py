@@ -17,7 +17,8 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 
 from coordinated_prep import CoordinatedSearcher, DataSpec, PoolSpec, eval_loader, train_loader
-from coordinated_prep.pipeline import Factory
+from coordinated_prep.errors import ConfigError
+from coordinated_prep.pipeline import ArrayDataset, Factory
 from coordinated_prep.trial.batching import batched
 from coordinated_prep.pipeline.chunk import eval_chunk, prepare_chunk
 from coordinated_prep.pipeline.probe import probe, train_indices
@@ -26,7 +27,7 @@ from coordinated_prep.plan import holdout_split
 from tests.conftest import live_coordprep_actors
 from tests.harness import assert_exactly_once, batch_digests, stream_samples
 from tests.test_datasets import OwnGenerator
-from tests.test_streamed import AUGMENT, Shards, reads
+from tests.test_streamed import AUGMENT, Shards, assert_same_batches, batches, ray_pair, ray_rows, reads
 
 EPOCHS = 2
 pytestmark = pytest.mark.usefixtures("warm_pool")  # the module's sweeps keep their prep actors for the next
@@ -119,6 +120,9 @@ def pipelines_sweep(ray_session, tmp_path_factory):
     """One sweep of every user pipeline, two trials each (batch sizes 8 and 12): four data groups."""
     out = str(tmp_path_factory.mktemp("pipelines"))
     specs = {name: _spec(name) for name in PIPELINES}
+    # A ray.data pipeline, materialized here in the driver (it needs Ray), its rows spilled once per node.
+    specs["ray_data"] = DataSpec(dataset=ray_rows(100).materialize(), transform=ray_pair, seed=3, chunk_size=16,
+                                 segments=4, holdout=0.1)
     searcher = CoordinatedSearcher(pool=PoolSpec(actors=2, keep_warm=True))
     analysis = tune.run(tune.with_resources(record_any, {"cpu": 0.25}),
                         config={"data": tune.grid_search(list(specs.values())), "batch_size": tune.grid_search([8, 12]),
@@ -128,7 +132,7 @@ def pipelines_sweep(ray_session, tmp_path_factory):
     return specs, analysis, reports, out, live_coordprep_actors()
 
 
-@pytest.mark.parametrize("name", list(PIPELINES))
+@pytest.mark.parametrize("name", [*PIPELINES, "ray_data"])
 def test_user_pipelines_share_exact_epochs_with_the_unshared_bytes(pipelines_sweep, name):
     specs, analysis, reports, out_dir, left = pipelines_sweep
     assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
@@ -170,6 +174,24 @@ def test_a_streamed_dataset_s_shards_are_each_read_once_for_the_whole_sweep(pipe
     """Its prep actors, coordinator and trials, and the references above, read the node's spill."""
     dataset = PIPELINES["streamed"]["dataset"]
     assert reads(dataset.log_path) == [1] * dataset.n_shards
+
+
+def test_a_materialized_ray_dataset_gives_the_batches_of_its_rows_map_style_read_once_per_node(ray_session):
+    from ray import cloudpickle
+
+    common = dict(seed=4, chunk_size=8, segments=2, holdout=0.2, coordinated=False)
+    with pytest.raises(ConfigError, match=r"is lazy: .*materialize it in the driver before the sweep"):
+        DataSpec(dataset=ray_rows(60), transform=ray_pair, **common)
+    streamed = DataSpec(dataset=ray_rows(60).materialize(), transform=ray_pair, **common)
+    assert repr(streamed.dataset) == "StreamedShards(ray.data.Dataset, 1 shards)"
+    rows = list(streamed.dataset.source.shard(1, 0))  # in the blocks' order, which materialize() chose
+    twin = DataSpec(dataset=ArrayDataset(np.stack([r["image"] for r in rows]), np.array([r["label"] for r in rows])),
+                    transform=lambda x: AUGMENT(torch.from_numpy(np.asarray(x))), **common)
+    assert_same_batches(batches(streamed), batches(twin))
+    spilled = os.path.getmtime(streamed.dataset._path(0, "samples"))
+    again = cloudpickle.loads(cloudpickle.dumps(streamed))  # the spec as another process of the node gets it
+    assert_same_batches(batches(again), batches(twin))
+    assert os.path.getmtime(again.dataset._path(0, "samples")) == spilled, "the pipeline ran once on this node"
 
 
 FAILING = {

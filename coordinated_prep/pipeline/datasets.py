@@ -178,9 +178,6 @@ def _map_style_hint(dataset: Any) -> str:
     if module.startswith("datasets"):
         return ("give one split (dataset['train']): a Hugging Face Dataset, or an IterableDataset streamed by shard, "
                 "works as it is")
-    if module.startswith("ray.data"):
-        return ("write its rows as WebDataset tar shards or Parquet (coordprep convert) and give their path, or "
-                "collect them into arrays for coordinated_prep.pipeline.ArrayDataset")
     return ("give the data as a map-style dataset (a torch Dataset with __len__ and __getitem__), WebDataset tar "
             "shards or Parquet by path, or arrays in coordinated_prep.pipeline.ArrayDataset; or keep it iterable and "
             "give it n_shards and shard(num_shards, index), the same samples of one shard on every call "

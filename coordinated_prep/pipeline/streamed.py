@@ -3,7 +3,8 @@
 A sweep plans every epoch ahead (which sample goes in which piece, for every trial, joiner and
 rank), so it needs random access by index. An iterable dataset gives it if it can be read shard by
 shard. **The contract** (Hugging Face's ``datasets.IterableDataset`` meets it as it is, streamed or
-not; a team's own ``torch.utils.data.IterableDataset`` adds two members):
+not; a team's own ``torch.utils.data.IterableDataset`` adds two members; a materialized
+``ray.data.Dataset`` is read as one shard, its rows in order, by :class:`RayDataRows`):
 
 - ``n_shards``: the number of shards, an ``int`` >= 1;
 - ``shard(num_shards, index)``: an iterable of the samples of shard ``index`` (called with
@@ -51,6 +52,49 @@ CONTRACT = ("an iterable dataset is read by shard when it has n_shards (an int >
 def is_sharded(dataset: Any) -> bool:
     """Whether ``dataset`` offers the shard contract's two members (its values are checked by :class:`StreamedShards`)."""
     return hasattr(dataset, "n_shards") and callable(getattr(dataset, "shard", None))
+
+
+def is_ray_dataset(dataset: Any) -> bool:
+    """Whether ``dataset`` is a ``ray.data.Dataset`` (without importing Ray Data)."""
+    return type(dataset).__module__.startswith("ray.data") and callable(getattr(dataset, "iter_rows", None))
+
+
+def as_streamed(dataset: Any, key: str | None = None, name: str | None = None) -> "StreamedShards | None":
+    """The map-style view of ``dataset`` if it is iterable and read by shard (the contract, or a
+    ``ray.data.Dataset``); None for a map-style dataset or one that offers neither."""
+    if is_map_style(dataset):
+        return None
+    if is_ray_dataset(dataset):
+        if type(dataset).__name__ != "MaterializedDataset":
+            raise ConfigError(
+                f"data.dataset={name or 'a ray.data.Dataset'} is lazy: its pipeline would run inside the sweep, whose "
+                "trials and prep pool may hold every CPU its tasks need; materialize it in the driver before the sweep "
+                "(dataset=ds.materialize()), so that it runs once, and every node reads its rows in one order")
+        return StreamedShards(RayDataRows(dataset), key=key, name=name or "ray.data.Dataset")
+    return StreamedShards(dataset, key=key, name=name) if is_sharded(dataset) else None
+
+
+class RayDataRows:
+    """A materialized ``ray.data.Dataset`` under the contract: its rows in its blocks' order, as one shard.
+
+    Its pipeline (reads, ``map``, ``map_batches``) ran once, where the driver materialized it, before
+    the sweep took the CPUs its tasks need. Reading its rows launches no task: the process that spills
+    it on a node fetches its blocks (the driver owns them), in their order (Ray Data's
+    ``preserve_order``), so every node spills the same rows in the same order. What must change every
+    epoch (random augmentation) belongs in the spec's transforms, which run per (seed, epoch, sample)
+    on the rows.
+    """
+
+    n_shards = 1
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def shard(self, num_shards: int, index: int):
+        dataset = self.dataset  # this process's copy (it came pickled): its context is its own
+        dataset.context.execution_options.preserve_order = True
+        dataset.context.enable_progress_bars = False
+        yield from dataset.iter_rows()
 
 
 def is_map_style(dataset: Any) -> bool:

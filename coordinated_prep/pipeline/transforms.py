@@ -28,7 +28,7 @@ from coordinated_prep.errors import ConfigError, SampleError
 from coordinated_prep.pipeline.datasets import EncodedImages, Factory, build
 from coordinated_prep.pipeline.seeding import _FETCH, key_seed, preserved, reseed
 from coordinated_prep.pipeline.split import pack, prefix_key, split_transform, unpack
-from coordinated_prep.pipeline.streamed import StreamedShards, is_map_style, is_sharded
+from coordinated_prep.pipeline.streamed import as_streamed
 
 
 class Pipeline(Protocol):
@@ -267,8 +267,8 @@ def make_pipeline(spec: Any, source: Any = None) -> Pipeline:
         key = prefix_key(spec.dataset, steps)
     else:
         dataset = build(spec.dataset)
-        if isinstance(spec.dataset, Factory) and not is_map_style(dataset) and is_sharded(dataset):
-            dataset = StreamedShards(dataset, key=spec.dataset.key, name=spec.dataset_name)
+        if isinstance(spec.dataset, Factory):  # a factory of an iterable dataset read by shard
+            dataset = as_streamed(dataset, key=spec.dataset.key, name=spec.dataset_name) or dataset
     train = Joint(transform, build(spec.target_transform), build(spec.transforms), "data")
     evaluate = Joint(build(spec.eval_transform), build(spec.target_transform), build(spec.eval_transforms), "data")
     if len(dataset) == 0:
