@@ -22,7 +22,8 @@ Sample ``i`` is the ``i``-th sample of the shards taken in order, as with tar sh
 
 Per shard the spill is two files: ``<shard>.samples`` (the pickles, back to back) and
 ``<shard>.offsets.npy`` (int64, one more than its samples). Each is written to ``.part``, synced and
-renamed, the offsets last, so a shard whose offsets exist is whole. Writers of one node serialise on
+renamed, the offsets last, so a shard whose offsets exist is whole. A shard whose read fails is read
+again, at most 3 times in all with a backoff, as a remote tar shard's fetch is. Writers of one node serialise on
 the shard's ``flock`` (:class:`~coordinated_prep.pipeline.sources.remote.node_lock`: the kernel
 releases a dead holder's lock; a live holder is waited for at most ``LOCK_WAIT_S``).
 
@@ -37,6 +38,7 @@ import hashlib
 import logging
 import os
 import pickle
+import time
 from typing import Any
 
 import numpy as np
@@ -100,6 +102,10 @@ class RayDataRows:
 def is_map_style(dataset: Any) -> bool:
     """Whether ``dataset``'s class has ``__len__`` and ``__getitem__``."""
     return all(hasattr(type(dataset), m) for m in ("__len__", "__getitem__"))
+
+
+class _SourceError(Exception):
+    """The source's ``shard()`` raised (its error is the cause): the read is tried again."""
 
 
 class StreamedShards:
@@ -193,13 +199,29 @@ class StreamedShards:
         return np.load(offsets_path)
 
     def _spill(self, shard: int, offsets_path: str) -> None:
+        """Read shard ``shard`` whole into its spill, in at most ``ATTEMPTS`` reads (the source's errors
+        are retried alike, after a backoff, as a remote shard's fetch is); a sample that does not
+        pickle fails at once."""
+        from coordinated_prep.pipeline.sources.remote import ATTEMPTS, BACKOFF_S
+
         samples_path = self._path(shard, "samples")
-        try:
-            self._write(shard, samples_path, offsets_path)
-        finally:
-            for part in (samples_path + ".part", offsets_path + ".part"):
-                if os.path.exists(part):  # a failed read leaves nothing half written
-                    os.remove(part)
+        for attempt in range(ATTEMPTS):
+            if attempt:
+                time.sleep(BACKOFF_S * 2 ** (attempt - 1))  # a backoff between reads, not a wait for anyone
+            try:
+                self._write(shard, samples_path, offsets_path)
+                return
+            except _SourceError as e:
+                last = e.__cause__
+                logger.warning("%s: reading shard %d failed (attempt %d of %d): %r", self.name, shard, attempt + 1,
+                               ATTEMPTS, last)
+            finally:
+                for part in (samples_path + ".part", offsets_path + ".part"):
+                    if os.path.exists(part):  # a failed read leaves nothing half written
+                        os.remove(part)
+        raise DatasetError(f"data.dataset={self.name}: reading shard {shard} of {self.n_shards} failed {ATTEMPTS} "
+                           f"times, last with {type(last).__name__}: {last}; check that its storage is reachable "
+                           f"from every node ({CONTRACT})") from last
 
     def _write(self, shard: int, samples_path: str, offsets_path: str) -> None:
         offsets = [0]
@@ -216,9 +238,8 @@ class StreamedShards:
                     offsets.append(offsets[-1] + len(blob))
             except DatasetError:
                 raise
-            except Exception as e:  # the user's shard(): named with its shard, and the contract
-                raise DatasetError(f"data.dataset={self.name}: reading shard {shard} of {self.n_shards} raised "
-                                   f"{type(e).__name__}: {e} ({CONTRACT})") from e
+            except Exception as e:  # the user's shard(): retried by _spill
+                raise _SourceError() from e
             out.flush()
             os.fsync(out.fileno())
         os.replace(samples_path + ".part", samples_path)
