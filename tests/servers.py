@@ -1,7 +1,8 @@
 """Real servers on loopback, each in its own process, counting the requests they answer.
 
 ``python -m tests.servers http <folder> <log>`` serves ``folder`` over HTTP (a GET of a file named
-``broken-*`` fails with 503, standing for a store that fails); ``python -m tests.servers
+``broken-*`` fails with 503, standing for a store that fails; with ``COORDPREP_SERVER_LATENCY_MS``
+set, every request is answered that many milliseconds late, standing for object storage's latency); ``python -m tests.servers
 s3 <log>`` runs moto's S3-compatible server. Each prints its port on its first line of stdout,
 appends ``<METHOD> <path>`` to ``log`` for every request (the server-side count a test asserts on),
 and exits when its stdin closes (the test's end, or the test process dying). :class:`Server` starts
@@ -16,6 +17,7 @@ import select
 import subprocess
 import sys
 import threading
+import time
 
 
 class Server:
@@ -64,9 +66,13 @@ def _serve_http(folder: str, log: str):
     from functools import partial
     from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
+    latency_s = float(os.environ.get("COORDPREP_SERVER_LATENCY_MS", "0")) / 1000
+
     class Counting(SimpleHTTPRequestHandler):
         def send_head(self):
             _record(log, self.command, self.path)
+            if latency_s:
+                time.sleep(latency_s)  # the store's latency per request (each request has a thread of its own)
             if self.command == "GET" and "/broken-" in self.path:  # a store failing every GET of it (HEAD answers)
                 self.send_error(503, "unavailable")
                 return None
