@@ -260,7 +260,9 @@ class DataSpec:
 
         if isinstance(self.dataset, Factory):
             return f"Factory({self.dataset.factory!r})"
-        return type(self.dataset).__name__
+        from coordinated_prep.pipeline.streamed import StreamedShards
+
+        return self.dataset.name if isinstance(self.dataset, StreamedShards) else type(self.dataset).__name__
 
     def __repr__(self) -> str:  # only what differs from the defaults: Tune prints configs in tables
         changed = [f"{f.name}={_short(getattr(self, f.name))}" for f in dataclasses.fields(self)

@@ -188,10 +188,12 @@ def test_a_materialized_ray_dataset_gives_the_batches_of_its_rows_map_style_read
     twin = DataSpec(dataset=ArrayDataset(np.stack([r["image"] for r in rows]), np.array([r["label"] for r in rows])),
                     transform=lambda x: AUGMENT(torch.from_numpy(np.asarray(x))), **common)
     assert_same_batches(batches(streamed), batches(twin))
-    spilled = os.path.getmtime(streamed.dataset._path(0, "samples"))
+    spilled = os.stat(streamed.dataset._path(0, "samples")).st_ino  # a spill again would be a new file
     again = cloudpickle.loads(cloudpickle.dumps(streamed))  # the spec as another process of the node gets it
     assert_same_batches(batches(again), batches(twin))
-    assert os.path.getmtime(again.dataset._path(0, "samples")) == spilled, "the pipeline ran once on this node"
+    assert os.stat(again.dataset._path(0, "samples")).st_ino == spilled, "the rows were read once on this node"
+    assert again.group_key == streamed.group_key and not streamed.dataset.source.dataset.context.execution_options \
+        .preserve_order, "the user's dataset is left as it was"
 
 
 FAILING = {

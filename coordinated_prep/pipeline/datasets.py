@@ -126,6 +126,10 @@ def object_key(value: Any, where: str) -> str | None:
         return value
     if isinstance(value, Factory):
         return value.key
+    from coordinated_prep.pipeline.streamed import StreamedShards
+
+    if isinstance(value, StreamedShards):  # its key, taken once: a source's pickle may change on a round trip
+        return f"StreamedShards:{value.key}"
     try:
         blob = _pickled(value)
     except Exception as e:
@@ -162,7 +166,11 @@ def check_map_style(dataset: Any, where: str) -> None:
     Raises:
         ConfigError: No ``__len__`` or ``__getitem__`` (an iterable-style dataset, say).
     """
+    from coordinated_prep.pipeline.streamed import is_map_style
+
     missing = [m for m in ("__len__", "__getitem__") if not hasattr(type(dataset), m)]
+    if not is_map_style(dataset) and not missing:
+        missing = ["random access (it is a torch IterableDataset)"]
     if missing:
         raise ConfigError(f"{where}={_short(dataset)} has no {' or '.join(missing)}: a map-style dataset (random "
                           "access by index) is needed, as every sample's place in the epoch is planned ahead; "

@@ -38,7 +38,9 @@ import hashlib
 import logging
 import os
 import pickle
+import sys
 import time
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -46,6 +48,8 @@ import numpy as np
 from coordinated_prep.errors import ConfigError, DatasetError
 
 logger = logging.getLogger(__name__)
+
+OPEN = 64  # shards' spills a process keeps open for reading
 
 CONTRACT = ("an iterable dataset is read by shard when it has n_shards (an int >= 1) and shard(num_shards, "
             "index) giving the same samples of one shard on every call, as Hugging Face's IterableDataset has")
@@ -64,7 +68,7 @@ def is_ray_dataset(dataset: Any) -> bool:
 def as_streamed(dataset: Any, key: str | None = None, name: str | None = None) -> "StreamedShards | None":
     """The map-style view of ``dataset`` if it is iterable and read by shard (the contract, or a
     ``ray.data.Dataset``); None for a map-style dataset or one that offers neither."""
-    if is_map_style(dataset):
+    if isinstance(dataset, StreamedShards) or is_map_style(dataset):
         return None
     if is_ray_dataset(dataset):
         if type(dataset).__name__ != "MaterializedDataset":
@@ -72,7 +76,8 @@ def as_streamed(dataset: Any, key: str | None = None, name: str | None = None) -
                 f"data.dataset={name or 'a ray.data.Dataset'} is lazy: its pipeline would run inside the sweep, whose "
                 "trials and prep pool may hold every CPU its tasks need; materialize it in the driver before the sweep "
                 "(dataset=ds.materialize()), so that it runs once, and every node reads its rows in one order")
-        return StreamedShards(RayDataRows(dataset), key=key, name=name or "ray.data.Dataset")
+        rows = RayDataRows(dataset)
+        return StreamedShards(rows, key=key or rows.key, name=name or "ray.data.Dataset")
     return StreamedShards(dataset, key=key, name=name) if is_sharded(dataset) else None
 
 
@@ -91,16 +96,24 @@ class RayDataRows:
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
+        # Its identity without pickling it: a pickle taken outside Ray's own serialization would pin
+        # its blocks for the driver's life. Its blocks' ids name its rows, in their order.
+        blocks = "".join(ref.hex() for ref in dataset.get_internal_block_refs())
+        self.key = "ray.data:" + hashlib.sha256(blocks.encode()).hexdigest()
 
     def shard(self, num_shards: int, index: int):
-        dataset = self.dataset  # this process's copy (it came pickled): its context is its own
+        dataset = type(self.dataset).copy(self.dataset, _deep_copy=True)  # the user's context is left as it was
         dataset.context.execution_options.preserve_order = True
         dataset.context.enable_progress_bars = False
         yield from dataset.iter_rows()
 
 
 def is_map_style(dataset: Any) -> bool:
-    """Whether ``dataset``'s class has ``__len__`` and ``__getitem__``."""
+    """Whether ``dataset``'s class has ``__len__`` and ``__getitem__``, and it is not a torch
+    ``IterableDataset`` (which inherits a ``__getitem__`` that raises, and may define ``__len__``)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(dataset, torch.utils.data.IterableDataset):
+        return False
     return all(hasattr(type(dataset), m) for m in ("__len__", "__getitem__"))
 
 
@@ -134,13 +147,13 @@ class StreamedShards:
         self.key = hashlib.sha256(key.encode()).hexdigest()[:16]
         self._ends: np.ndarray | None = None  # per shard, its last sample's index + 1 (loaded per process)
         self._offsets: list[np.ndarray] = []
-        self._files: dict[int, int] = {}  # shard -> an open descriptor of its samples (per process)
+        self._files: OrderedDict[int, int] = OrderedDict()  # shard -> its samples' descriptor, the OPEN latest
 
     def __getstate__(self) -> dict[str, Any]:
         return {"source": self.source, "n_shards": self.n_shards, "key": self.key, "name": self.name}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _ends=None, _offsets=[], _files={})
+        self.__dict__.update(state, _ends=None, _offsets=[], _files=OrderedDict())
 
     def __repr__(self) -> str:
         return f"StreamedShards({self.name}, {self.n_shards} shards)"
@@ -163,14 +176,24 @@ class StreamedShards:
         offsets = self._offsets[shard]
         at = index - (int(ends[shard - 1]) if shard else 0)
         start, stop = int(offsets[at]), int(offsets[at + 1])
-        fd = self._files.get(shard)
+        return pickle.loads(os.pread(self._file(shard), stop - start, start))
+
+    def _file(self, shard: int) -> int:
+        """A descriptor of shard ``shard``'s samples: at most ``OPEN`` are kept open (a streamed set
+        may have thousands of shards), the least recently read closed first."""
+        fd = self._files.pop(shard, None)
         if fd is None:
-            fd = self._files[shard] = os.open(self._path(shard, "samples"), os.O_RDONLY)
-        return pickle.loads(os.pread(fd, stop - start, start))
+            fd = os.open(self._path(shard, "samples"), os.O_RDONLY)
+            while len(self._files) >= OPEN:
+                os.close(self._files.popitem(last=False)[1])
+        self._files[shard] = fd
+        return fd
 
     def describe(self, index: int) -> str:
         """Where sample ``index`` lives: its shard and place in it."""
         ends = self._index()
+        if not 0 <= index < ends[-1]:
+            return f"{self.name}, sample {index} of {int(ends[-1])} (out of range)"
         shard = int(np.searchsorted(ends, index, side="right"))
         return f"{self.name}, shard {shard}, sample {index - (int(ends[shard - 1]) if shard else 0)}"
 
@@ -181,10 +204,11 @@ class StreamedShards:
         """Every shard's offsets, spilling the shards this node lacks first (once per process)."""
         if self._ends is None:
             os.makedirs(self.folder, exist_ok=True)
-            self._offsets = [self._spilled(shard) for shard in range(self.n_shards)]
-            self._ends = np.cumsum([len(o) - 1 for o in self._offsets])
-            if self._ends[-1] == 0:
+            offsets = [self._spilled(shard) for shard in range(self.n_shards)]
+            ends = np.cumsum([len(o) - 1 for o in offsets])
+            if ends[-1] == 0:
                 raise DatasetError(f"data.dataset={self.name}: its {self.n_shards} shards yielded no sample")
+            self._offsets, self._ends = offsets, ends
         return self._ends
 
     def _spilled(self, shard: int) -> np.ndarray:
@@ -193,7 +217,7 @@ class StreamedShards:
 
         offsets_path = self._path(shard, "offsets.npy")
         if not os.path.exists(offsets_path):
-            with node_lock(offsets_path + ".lock", f"{self.name} #{shard}"):
+            with node_lock(offsets_path + ".lock", f"shard {shard} of {self.name}"):
                 if not os.path.exists(offsets_path):  # an earlier holder spilled it meanwhile
                     self._spill(shard, offsets_path)
         return np.load(offsets_path)
@@ -220,14 +244,14 @@ class StreamedShards:
                     if os.path.exists(part):  # a failed read leaves nothing half written
                         os.remove(part)
         raise DatasetError(f"data.dataset={self.name}: reading shard {shard} of {self.n_shards} failed {ATTEMPTS} "
-                           f"times, last with {type(last).__name__}: {last}; check that its storage is reachable "
-                           f"from every node ({CONTRACT})") from last
+                           f"times, last with {type(last).__name__}: {last}; if that is a passing fault, check that "
+                           f"its storage is reachable from every node ({CONTRACT})") from last
 
     def _write(self, shard: int, samples_path: str, offsets_path: str) -> None:
         offsets = [0]
-        with open(samples_path + ".part", "wb") as out:
-            try:
-                for position, sample in enumerate(self.source.shard(self.n_shards, shard)):
+        try:
+            with open(samples_path + ".part", "wb") as out:
+                for position, sample in enumerate(self._samples(shard)):
                     try:
                         blob = pickle.dumps(sample, protocol=5)
                     except Exception as e:
@@ -236,18 +260,33 @@ class StreamedShards:
                                            "they must pickle (arrays, tensors, PIL images, numbers, strings)") from e
                     out.write(blob)
                     offsets.append(offsets[-1] + len(blob))
-            except DatasetError:
-                raise
-            except Exception as e:  # the user's shard(): retried by _spill
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(samples_path + ".part", samples_path)
+            with open(offsets_path + ".part", "wb") as f:
+                np.save(f, np.asarray(offsets, dtype=np.int64))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(offsets_path + ".part", offsets_path)
+        except OSError as e:  # this node's disk, not the source: its errors are the source's (_SourceError)
+            raise DatasetError(f"data.dataset={self.name}: spilling shard {shard} to {self.folder} failed "
+                               f"({type(e).__name__}: {e}); it needs room for the whole dataset on this node's disk "
+                               "(set COORDPREP_CACHE to a larger one)") from e
+
+    def _samples(self, shard: int):
+        """The source's samples of ``shard``; its errors (from ``shard()`` or the iteration) as :class:`_SourceError`."""
+        try:
+            samples = iter(self.source.shard(self.n_shards, shard))
+        except Exception as e:
+            raise _SourceError() from e
+        while True:
+            try:
+                sample = next(samples)
+            except StopIteration:
+                return
+            except Exception as e:
                 raise _SourceError() from e
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(samples_path + ".part", samples_path)
-        with open(offsets_path + ".part", "wb") as f:
-            np.save(f, np.asarray(offsets, dtype=np.int64))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(offsets_path + ".part", offsets_path)
+            yield sample
         logger.info("%s: shard %d spilled to %s (%d samples, %d bytes)", self.name, shard, self.folder,
                     len(offsets) - 1, offsets[-1])
 
