@@ -268,6 +268,8 @@ class StreamedShards:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(offsets_path + ".part", offsets_path)
+            logger.info("%s: shard %d spilled to %s (%d samples, %d bytes)", self.name, shard, self.folder,
+                        len(offsets) - 1, offsets[-1])
         except OSError as e:  # this node's disk, not the source: its errors are the source's (_SourceError)
             raise DatasetError(f"data.dataset={self.name}: spilling shard {shard} to {self.folder} failed "
                                f"({type(e).__name__}: {e}); it needs room for the whole dataset on this node's disk "
@@ -287,8 +289,6 @@ class StreamedShards:
             except Exception as e:
                 raise _SourceError() from e
             yield sample
-        logger.info("%s: shard %d spilled to %s (%d samples, %d bytes)", self.name, shard, self.folder,
-                    len(offsets) - 1, offsets[-1])
 
     def __del__(self) -> None:
         for fd in getattr(self, "_files", {}).values():
