@@ -68,7 +68,7 @@ def is_ray_dataset(dataset: Any) -> bool:
 def as_streamed(dataset: Any, key: str | None = None, name: str | None = None) -> "StreamedShards | None":
     """The map-style view of ``dataset`` if it is iterable and read by shard (the contract, or a
     ``ray.data.Dataset``); None for a map-style dataset or one that offers neither."""
-    if isinstance(dataset, StreamedShards) or is_map_style(dataset):
+    if is_map_style(dataset):  # a StreamedShards too: it is map-style
         return None
     if is_ray_dataset(dataset):
         if type(dataset).__name__ != "MaterializedDataset":
