@@ -150,7 +150,7 @@ def live_coordprep_actors() -> list[str]:
 
 
 #: Fixtures that start Ray (a module's instance, or a cluster of several nodes).
-_RAY_FIXTURES = {"ray_session", "cluster", "small_store_ray", "s3_ray"}
+_RAY_FIXTURES = {"ray_session", "cluster", "s3_ray"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -100,40 +100,6 @@ def test_a_killed_coordinator_fails_its_trials_clearly_and_their_retries_join_a_
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
-def test_evaluation_with_a_corrupt_held_out_file_under_skip(ray_session, tmp_path, warm_pool):
-    from ray import tune
-
-    from coordinated_prep import CoordinatedSearcher
-    from coordinated_prep.plan import holdout_split
-    from coordinated_prep.pipeline.sources import ImageFolderSource
-    from tests.recording import record
-    from tests.utils import make_imagefolder
-
-    root = make_imagefolder(str(tmp_path / "data"), classes=2, per_class=20)
-    source = ImageFolderSource(root)
-    _, held = holdout_split(len(source), 0.1)
-    broken = source.paths[int(held[0])]
-    with open(broken, "wb") as f:
-        f.write(b"not a jpeg")
-    spec = DataSpec(dataset=root, pipeline={"size": 16}, seed=1, chunk_size=8, holdout=0.1, on_error="skip")
-    searcher = CoordinatedSearcher(pool=warm_pool)
-    try:
-        analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0,
-                            raise_on_failed_trial=False,
-                            config={"data": spec, "batch_size": 8, "epochs": 1, "evaluate": True,
-                                    "out": str(tmp_path / "out"), "n": tune.grid_search([1, 2])})
-        [report] = searcher.eval_reports().values()
-    finally:
-        searcher.close()
-    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
-    for t in analysis.trials:
-        assert t.last_result["eval_samples"] == len(held) - 1, t  # evaluated without that one sample
-    assert report["samples_skipped"] == 1 and report["skipped_files"] == [broken], report
-    # Unshared (the same function in the trial's own process): the same sample left out.
-    from coordinated_prep.trial.loader import eval_loader
-    assert sum(len(b) for b in eval_loader(dataclasses.replace(spec, coordinated=False), 8)) == len(held) - 1
-
-
 def test_a_loader_dropped_without_close_leaves_its_group(ray_session, small_dataset, warm_pool):
     import gc
 
@@ -164,6 +130,46 @@ def test_a_loader_dropped_without_close_leaves_its_group(ray_session, small_data
 
 
 
+def test_skip_policy_leaves_a_truncated_jpeg_out_of_training_and_a_corrupt_file_out_of_evaluation(
+        ray_session, tmp_path, warm_pool):
+    """Under ``on_error: skip``, every trial's epochs leave out the training sample whose JPEG is
+    truncated, and its evaluation the held-out file that is not an image, as an unshared loader does."""
+    from coordinated_prep.plan import holdout_split
+    from coordinated_prep.trial.loader import eval_loader
+
+    root = make_imagefolder(str(tmp_path / "data"), classes=2, per_class=20, png_every=99)
+    spec = _spec(root, holdout=0.1, on_error="skip")
+    source = open_source(root)
+    train, held = holdout_split(len(source), spec.holdout)
+    victim, broken = int(train[5]), source.paths[int(held[0])]
+    with open(source.paths[victim], "r+b") as f:
+        f.truncate(60)
+    with open(broken, "wb") as f:
+        f.write(b"not a jpeg")
+    open_source.cache_clear()
+    baseline = plasma_objects()
+    searcher = CoordinatedSearcher(pool=warm_pool)
+    try:
+        analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0,
+                            raise_on_failed_trial=False,
+                            config={"data": spec, "batch_size": 8, "epochs": 2, "evaluate": True,
+                                    "out": str(tmp_path / "records"), "score": tune.grid_search([1, 2])})
+        [report], [evaluation] = searcher.group_reports().values(), searcher.eval_reports().values()
+    finally:
+        searcher.close()
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    assert report["samples_skipped"] == 1
+    expected = [i for i in train_ids(spec) if i != victim]
+    for trial, epochs in load_records(str(tmp_path / "records")).items():
+        assert_exactly_once([e["indices"] for e in epochs], expected, trial)
+    for t in analysis.trials:
+        assert t.last_result["eval_samples"] == len(held) - 1, t  # evaluated without that one sample
+    assert evaluation["samples_skipped"] == 1 and evaluation["skipped_files"] == [broken], evaluation
+    # Unshared (the same function in the trial's own process): the same sample left out.
+    assert sum(len(b) for b in eval_loader(dataclasses.replace(spec, coordinated=False), 8)) == len(held) - 1
+    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
+
+
 def test_a_prep_actor_killed_mid_epoch_is_replaced_and_its_work_redone(ray_session, small_dataset, tmp_path):
     baseline = plasma_objects()
     spec = _spec(small_dataset)
@@ -172,23 +178,4 @@ def test_a_prep_actor_killed_mid_epoch_is_replaced_and_its_work_redone(ray_sessi
     assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
     for trial, epochs in load_records(str(tmp_path)).items():
         check_trial_records(spec, epochs, 8, trial)  # byte-identical: re-prepared pieces equal the originals
-    assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
-
-
-def test_skip_policy_leaves_a_truncated_jpeg_out_for_every_trial(ray_session, tmp_path):
-    root = make_imagefolder(str(tmp_path / "data"), classes=2, per_class=20, png_every=99)
-    spec = _spec(root, holdout=0.0, on_error="skip")
-    victim = open_source(root).paths[5]
-    with open(victim, "r+b") as f:
-        f.truncate(60)
-    open_source.cache_clear()
-    baseline = plasma_objects()
-    analysis, reports = _run({"data": spec, "batch_size": 8, "epochs": 2, "score": tune.grid_search([1, 2])},
-                             tmp_path / "records")
-    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
-    [report] = reports.values()
-    assert report["samples_skipped"] == 1
-    expected = [i for i in train_ids(spec) if i != 5]
-    for trial, epochs in load_records(str(tmp_path / "records")).items():
-        assert_exactly_once([e["indices"] for e in epochs], expected, trial)
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline

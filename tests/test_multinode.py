@@ -2,13 +2,21 @@
 
 Trials are pinned to two worker nodes by custom resources. Each node runs its own coordinator and
 prep actors; the node caches split the dataset by seed; storage reads are counted by the kernel
-(inotify), and one node is removed in the middle of a sweep.
+(inotify); copies of a dataset that differ between nodes are refused; and one node is removed in the
+middle of a sweep.
+
+A cluster of raylets on one machine shares one filesystem, so each worker node's raylet is given its
+own dataset cache directory (``COORDPREP_CACHE``): ``builtin:shapes`` then names a different copy on
+each node, and node_b's copy holds one image more. The driver's runtime environment sets the
+session's cache for every worker instead, except in the test of differing copies, which connects
+without it.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import shutil
 import threading
 
 import numpy as np
@@ -22,32 +30,48 @@ from coordinated_prep import CoordinatedSearcher, DataSpec, PoolSpec
 from coordinated_prep.cache import CacheLayout, CacheSpec
 from coordinated_prep.cache.arena import arena_dir
 from coordinated_prep.plan import holdout_split
-from coordinated_prep.pipeline.sources import open_source
-from tests.conftest import REPO, own_ray
+from coordinated_prep.pipeline.sources import open_source, shapes
+from tests.conftest import REPO, live_coordprep_actors, own_ray
 from tests.harness import check_trial_records
 from tests.recording import Gate, load_records, record, record_ranks
-from tests.utils import FileOpens
+from tests.test_shared_index import _async_actor_logs_with
+from tests.utils import FileOpens, make_imagefolder
 
 EPOCHS = 3
 WORKERS = ("node_a", "node_b")
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """A head (driver, registry) and two worker nodes, each tagged with its own custom resource."""
+def cluster(tmp_path_factory):
+    """A head (driver, registry) and two worker nodes, each tagged with its own custom resource, each
+    with a dataset cache of its own where its raylet looks (see the module's docstring)."""
     from ray.cluster_utils import Cluster
 
+    caches = {name: str(tmp_path_factory.mktemp(f"cache-{name}")) for name in WORKERS}
+    for name, cache in caches.items():
+        root = os.path.join(cache, f"shapes-v{shapes._VERSION}")  # where builtin:shapes is looked for
+        make_imagefolder(root, classes=2, per_class=12, png_every=99)
+        if name == "node_b":
+            shutil.copy(os.path.join(root, "class_0", "img_001.jpg"), os.path.join(root, "class_0", "extra.jpg"))
     store = 200 * 2**20
     own_ray()  # this module's Ray is its own
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": store,
                                                       "include_dashboard": False})
-    nodes = {name: c.add_node(num_cpus=1, resources={name: 4}, object_store_memory=store) for name in WORKERS}
+    nodes = {name: c.add_node(num_cpus=1, resources={name: 4}, object_store_memory=store,
+                              env_vars={"COORDPREP_CACHE": caches[name]}) for name in WORKERS}
     c.wait_for_nodes()
-    ray.init(address=c.address, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO, "COORDPREP_CACHE": os.environ["COORDPREP_CACHE"]}})
+    _connect(c, shared_cache=True)
     yield c, nodes
     own_ray()
     c.shutdown()
+
+
+def _connect(c, shared_cache: bool) -> None:
+    """(Re)connect this driver to the cluster; ``shared_cache``: every worker uses the session's cache."""
+    if ray.is_initialized():
+        ray.shutdown()
+    env = {"PYTHONPATH": REPO, **({"COORDPREP_CACHE": os.environ["COORDPREP_CACHE"]} if shared_cache else {})}
+    ray.init(address=c.address, log_to_driver=False, runtime_env={"env_vars": env})
 
 
 def _pinned(config: dict) -> PlacementGroupFactory:
@@ -130,6 +154,33 @@ def test_the_ranks_of_a_data_parallel_trial_on_two_nodes_read_their_own_nodes_co
         assert sorted(fresh.tolist()) == sorted(train.tolist()), f"epoch {e}: not every sample exactly once"
     [group] = groups.values()
     assert group["coordinators"] == 2 and group["cohorts"] == 2, group  # one per node, each with its rank
+
+
+def test_copies_that_differ_between_nodes_are_refused_naming_both(cluster, tmp_path):
+    c, nodes = cluster
+    _connect(c, shared_cache=False)  # each node's workers see their raylet's cache
+    try:
+        spec = DataSpec(dataset="builtin:shapes", pipeline={"size": 24}, chunk_size=8, segments=2)
+        searcher = CoordinatedSearcher(max_concurrent=1)  # node_a's trial runs, and starts the group, first
+        analysis = tune.run(
+            tune.with_resources(record, _pinned),
+            config={"data": spec, "node": tune.grid_search(list(WORKERS)), "batch_size": 8, "epochs": 1,
+                    "out": str(tmp_path)},
+            search_alg=searcher, verbose=0, raise_on_failed_trial=False,
+        )
+        searcher.close()
+        assert live_coordprep_actors() == []
+    finally:
+        _connect(c, shared_cache=True)
+    statuses = {t.config["node"]: t.status for t in analysis.trials}
+    assert statuses == {"node_a": "TERMINATED", "node_b": "ERROR"}, statuses  # node_a started the group first
+    [failed] = [t for t in analysis.trials if t.status == "ERROR"]
+    message = open(failed.error_file).read()
+    ids = {name: node.node_id for name, node in nodes.items()}
+    assert "differs between nodes" in message and ids["node_a"] in message and ids["node_b"] in message, message
+    assert "24 samples" in message and "25 samples" in message, message
+    # Each node's coordinator got its node's index without a blocking ray.get (in an async actor).
+    assert _async_actor_logs_with("Using blocking ray.get inside async actor") == []
 
 
 def test_a_node_leaving_mid_sweep_sends_its_part_back_to_storage_and_the_others_go_on(

@@ -113,18 +113,18 @@ def test_a_yaml_subset_outside_the_split_fails_the_dry_run_naming_the_value(smal
         preflight(load_sweep(str(path)))
 
 
-def test_a_five_fold_cross_validation_of_two_configs_from_yaml_prepares_each_sample_once_per_epoch(
+def test_a_three_fold_cross_validation_of_two_configs_from_yaml_prepares_each_sample_once_per_epoch(
         ray_session, small_dataset, tmp_path, warm_pool):
     path = tmp_path / "cv.yaml"
     path.write_text(textwrap.dedent(f"""
         name: cv
         storage_path: {tmp_path / "runs"}
         trainable: tests.recording:record
-        data: {{dataset: {small_dataset}, pipeline: {{size: 32}}, seed: 3, holdout: 0.0, fold: [5, 0],
+        data: {{dataset: {small_dataset}, pipeline: {{size: 32}}, seed: 3, holdout: 0.0, fold: [3, 0],
                 chunk_size: 16, segments: 4}}
-        search_space: {{data.fold.1: {{grid: [0, 1, 2, 3, 4]}}, batch_size: {{grid: [8, 12]}}, epochs: 2,
+        search_space: {{data.fold.1: {{grid: [0, 1, 2]}}, batch_size: {{grid: [8, 12]}}, epochs: 2,
                         evaluate: true, out: {tmp_path / "records"}}}
-        max_concurrent_trials: 10         # together: each piece is prepared once for all 10
+        max_concurrent_trials: 6          # together: each piece is prepared once for all 6
         resources_per_trial: {{cpu: 0.1}}
         metric: score
         pool: {{keep_warm: true}}   # the prep actors an earlier test kept, kept again for the next
@@ -132,10 +132,10 @@ def test_a_five_fold_cross_validation_of_two_configs_from_yaml_prepares_each_sam
     cfg = load_sweep(str(path))
     summary = run_sweep(cfg, verbose=0)
     trials = summary["trials"]
-    assert len(trials) == 10 and all(t["status"] == "TERMINATED" for t in trials), trials
-    [group] = summary["groups"].values()  # 5 folds x 2 batch sizes: one data group
-    specs = [DataSpec(dataset=small_dataset, pipeline={"size": 32}, seed=3, holdout=0.0, fold=(5, i), chunk_size=16,
-                      segments=4) for i in range(5)]
+    assert len(trials) == 6 and all(t["status"] == "TERMINATED" for t in trials), trials
+    [group] = summary["groups"].values()  # 3 folds x 2 batch sizes: one data group
+    specs = [DataSpec(dataset=small_dataset, pipeline={"size": 32}, seed=3, holdout=0.0, fold=(3, i), chunk_size=16,
+                      segments=4) for i in range(3)]
     parts = [part_ids(s, 180) for s in specs]
     records = load_records(str(tmp_path / "records"))
     evaluated = {}  # trial -> samples of its last evaluation, from what it reported to Tune
@@ -149,10 +149,10 @@ def test_a_five_fold_cross_validation_of_two_configs_from_yaml_prepares_each_sam
         check_trial_records(specs[fold], epochs, trial["batch_size"], trial["trial"])
         assert evaluated[trial["trial"]] == held_out(specs[fold], 180).size, "it evaluates on its own fold"
         folds.append(fold)
-    assert sorted(folds) == sorted(list(range(5)) * 2), "each fold trained by both configs"
+    assert sorted(folds) == sorted(list(range(3)) * 2), "each fold trained by both configs"
     starts = [int(records[t["trial"]][0]["start"]) for t in trials]
     assert group["samples_prepared"] == stream_samples(starts, 2, 180, 16), "each piece prepared once for all folds"
-    assert group["samples_prepared"] < 5 * 2 * 180, "five groups, one per fold, would prepare 5x"
+    assert group["samples_prepared"] < 3 * 2 * 180, "three groups, one per fold, would prepare 3x"
     assert group["samples_served"] == sum(2 * parts[f].size for f in folds), "a trial is served its part only"
     assert live_coordprep_actors() == []
 

@@ -12,7 +12,7 @@ from ray.tune.schedulers import ASHAScheduler
 
 from coordinated_prep import CoordinatedSearcher, DataSpec, train_loader
 from coordinated_prep.errors import ConfigError
-from coordinated_prep.pipeline.sources import open_source
+from coordinated_prep.pipeline.sources import open_source, photos
 from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects_settled
 from tests.harness import check_trial_records as _check_trial
 from tests.harness import assert_exactly_once, reference_digests, sample_digests, train_ids
@@ -264,12 +264,17 @@ class _OpenOnceGrown(tune.Callback):
             ray.get(ray.get_actor("pool-grown", namespace="coordinated_prep").open.remote(), timeout=60)
 
 
-def test_a_pool_sized_by_demand_starts_with_one_actor_and_grows_while_the_trial_waits(ray_session, tmp_path):
+def test_a_pool_sized_by_demand_starts_with_one_actor_and_grows_while_the_trial_waits(ray_session, tmp_path,
+                                                                                      monkeypatch):
     """A pool left to size itself starts one prep actor; a trial that reads as fast as it can (no
     compute step) is blocked on it, so the pool grows to its most (one per CPU: 2 here) and says why.
     The trial reads until an epoch that began after the growth: its pieces went to both actors in
     turn, and it holds the unshared bytes. Every epoch is exact."""
-    spec = DataSpec(dataset="builtin:photos", pipeline={"size": 224}, seed=3, chunk_size=64)
+    # Real photographs at 224 px, so that preparation is slow: 768 of builtin:photos' kind (2 s to
+    # make, where its 4,096 take 14 s), epochs of 691 samples (about 5 s on one actor).
+    monkeypatch.setattr(photos, "IMAGES_PER_CLASS", 384)
+    spec = DataSpec(dataset=photos.ensure_photos(str(tmp_path / "photos")), pipeline={"size": 224}, seed=3,
+                    chunk_size=64)
     gate = Gate.options(name="pool-grown", namespace="coordinated_prep").remote()  # noqa: F841 (kept alive)
     searcher = CoordinatedSearcher()
     searcher.start()
@@ -278,13 +283,13 @@ def test_a_pool_sized_by_demand_starts_with_one_actor_and_grows_while_the_trial_
     analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0,
                         callbacks=[_OpenOnceGrown(searcher)],
                         config={"data": spec, "batch_size": 64, "epochs": 8, "declare_epochs": False,
-                                "until_open": "pool-grown", "out": str(tmp_path)})
+                                "until_open": "pool-grown", "out": str(tmp_path / "records")})
     assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
     [pool] = searcher.pool_reports().values()
     searcher.close()
     assert pool["prep_actors"] == 2 and pool["growth"]["grown"] == 1, pool
     assert [what for _, what, _ in pool["growth"]["decisions"]] == ["grow", "added"], pool
-    [epochs] = load_records(str(tmp_path)).values()
+    [epochs] = load_records(str(tmp_path / "records")).values()
     assert len(epochs) < 8, "the trial read past the growth: it stopped after the first epoch begun after it"
     for epoch in epochs:
         assert_exactly_once([epoch["indices"]], train_ids(spec))
