@@ -1,4 +1,6 @@
-"""Dashboard metrics: scraped over HTTP from the node's Prometheus endpoint during a real sweep."""
+"""Dashboard metrics: scraped over HTTP from the node's Prometheus endpoint during a real sweep, on a
+Ray started as ``coordprep sweep`` starts its own (a loopback node: the exporter listens on 127.0.0.1
+only)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import math
 import os
 import socket
 import threading
+import time
 import urllib.request
 from typing import Callable, Iterator
 
@@ -20,8 +23,10 @@ from coordinated_prep.cache import CacheSpec
 from coordinated_prep.metrics import DEFINITIONS
 from coordinated_prep.plan import holdout_split
 from coordinated_prep.pipeline.sources import open_source
+from coordinated_prep.sweep.runner import LOOPBACK, start_ray
 from tests.conftest import REPO, own_ray
 from tests.harness import stream_samples, train_ids
+from tests.utils import listening_on
 from tests.recording import record
 
 
@@ -36,16 +41,25 @@ PORT = _free_port()
 
 @pytest.fixture(scope="module")
 def ray_session():
-    """This module's Ray exports metrics on a known port and reports them every second."""
+    """This module's Ray, started by the sweep runner's ``start_ray``: it exports metrics on a known
+    port and reports them every second."""
     import ray
 
     own_ray()  # this module's Ray is its own
-    ray.init(address="local", num_cpus=2, include_dashboard=True, dashboard_host="127.0.0.1",
-             object_store_memory=512 * 2**20,
-             log_to_driver=False, _metrics_export_port=PORT, _system_config={"metrics_report_interval_ms": 1000},
-             runtime_env={"env_vars": {"PYTHONPATH": REPO, "COORDPREP_CACHE": os.environ["COORDPREP_CACHE"]}})
+    start_ray({"address": "local", "num_cpus": 2, "include_dashboard": True, "object_store_memory": 512 * 2**20,
+               "log_to_driver": False, "metrics_export_port": PORT,
+               "_system_config": {"metrics_report_interval_ms": 1000},
+               "runtime_env": {"env_vars": {"PYTHONPATH": REPO, "COORDPREP_CACHE": os.environ["COORDPREP_CACHE"]}}})
     yield ray
     own_ray()
+
+
+def test_the_sweeps_own_ray_instance_exports_metrics_on_loopback_only(ray_session):
+    assert ray_session.util.get_node_ip_address() == LOOPBACK
+    deadline = time.monotonic() + 60
+    while not listening_on(PORT) and time.monotonic() < deadline:  # the exporter starts with the agent
+        time.sleep(0.5)  # polling a socket table the kernel offers no event for, bounded by the deadline
+    assert listening_on(PORT) == {LOOPBACK}
 
 
 def scrape() -> dict[tuple[str, frozenset], float]:

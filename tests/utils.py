@@ -104,3 +104,23 @@ def image_chunk(source, preprocessor, seed, epoch, indices, size, on_error="rais
 
     return prepare_chunk(ImagePipeline(source, preprocessor, size), image_layout((3, size, size)), seed, epoch,
                          np.asarray(indices), on_error, views)
+
+
+def listening_on(port: int) -> set[str]:
+    """Local addresses listening on TCP ``port`` (IPv4 and IPv6), from /proc/net."""
+    import socket
+
+    found = set()
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(address)
+                words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add(socket.inet_ntop(family, words))
+    return found
