@@ -68,7 +68,7 @@ def own_ray() -> None:
     _shared_ray_up = False
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def warm_pool():
     """The pool options of a test whose sweep may start on the prep actors an earlier test kept, and
     keeps them for the next (``PoolSpec(keep_warm=True)``, :mod:`coordinated_prep.pool.warm`): each
@@ -81,9 +81,11 @@ def warm_pool():
 @pytest.fixture(autouse=True)
 def _no_warm_pool_unless_asked(request):
     """A test of the shared Ray instance that does not take :func:`warm_pool` finds no kept prep actor
-    holding CPUs. A test that does not use Ray leaves them be, for the module's next sweep."""
+    holding CPUs. A test that does not use Ray, or is marked ``pool_free`` (it starts no prep pool and
+    leaves a CPU free for what it runs), leaves them be, for the next sweep."""
     asks = set(request.fixturenames)
-    if "ray_session" in asks and "warm_pool" not in asks and "coordinated_prep.pool.warm" in sys.modules:
+    keeps = "warm_pool" in asks or request.node.get_closest_marker("pool_free") is not None
+    if "ray_session" in asks and not keeps and "coordinated_prep.pool.warm" in sys.modules:
         import ray
 
         if ray.is_initialized():
@@ -157,11 +159,24 @@ def pytest_collection_modifyitems(config, items):
     """Mark every test that starts Ray or runs a sweep as ``sweep``: the quick tier
     (``pytest -m "not sweep"``) is the pure logic, the loaders and the single-process pipelines.
 
-    The modules that start a Ray of their own (they call :func:`own_ray`) run last, each whole, in
-    their order: the session's shared instance then starts once, and the prep actors a module keeps
-    warm stay for the next, where a module of its own in between stopped both (two starts of the
-    shared Ray and of a pool, about 15 s on 2 cores)."""
-    items.sort(key=lambda item: getattr(getattr(item, "module", None), "own_ray", None) is own_ray)  # stable
+    And order the tests so that the processes they start are started as few times as possible (each
+    prep actor imports torch and torchvision: about 4 CPU-seconds on 2 cores), stably, in 3 blocks:
+
+    1. every test that keeps no pool warm (pure ones, and those that start a pool of their own);
+    2. the tests that take :func:`warm_pool`: the first starts the kept pool and every later one of
+       its shape starts on it, the modules of another shape (``KEPT_POOL_SHAPE`` set) last;
+    3. the modules that start a Ray of their own (they call :func:`own_ray`), each whole, in their
+       order: the shared instance is stopped once, before them.
+
+    A module's tests may then not be contiguous: its module-scoped fixtures are set up once per run
+    of its tests (the shared Ray is not: it is kept, see :func:`ray_session`)."""
+    def block(item) -> tuple[bool, bool, bool]:
+        module = getattr(item, "module", None)
+        own = getattr(module, "own_ray", None) is own_ray
+        warm = "warm_pool" in getattr(item, "fixturenames", ())
+        return own, own or warm, warm and getattr(module, "KEPT_POOL_SHAPE", None) is not None
+
+    items.sort(key=block)  # stable
     for item in items:
         if _RAY_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("soak"):
             item.add_marker(pytest.mark.sweep)

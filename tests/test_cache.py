@@ -5,13 +5,15 @@ Storage reads are counted by Linux inotify on the dataset's folders, not by the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
+import pytest
 import ray
 from ray import tune
 
-from coordinated_prep import CoordinatedSearcher, DataSpec, PoolSpec
+from coordinated_prep import CoordinatedSearcher, DataSpec
 from coordinated_prep.cache import CacheSpec, LruPolicy
 from coordinated_prep.cache.actor import RawCache, Region
 from coordinated_prep.cache.arena import ArenaReader
@@ -25,6 +27,7 @@ from tests.utils import FileOpens
 EPOCHS = 3
 
 
+@pytest.mark.pool_free
 def test_minio_hit_rate_is_the_cached_fraction_while_lru_of_the_same_size_falls_short(ray_session, small_dataset):
     source = open_source(small_dataset)
     n = len(source)
@@ -79,14 +82,15 @@ def test_minio_hit_rate_is_the_cached_fraction_while_lru_of_the_same_size_falls_
     assert all(got[i] == source.read(i) for i in range(n))  # a JPEG stays a JPEG, byte for byte
 
 
-def test_every_group_on_the_node_shares_one_cache_and_storage_is_read_once(ray_session, small_dataset, tmp_path):
+def test_every_group_on_the_node_shares_one_cache_and_storage_is_read_once(ray_session, small_dataset, tmp_path,
+                                                                           warm_pool):
     source = open_source(small_dataset)
     train, _ = holdout_split(len(source), 0.1)
     specs = [DataSpec(dataset=small_dataset, pipeline={"size": size}, seed=1, chunk_size=8, segments=4)
                       for size in (32, 24)]  # two data groups, one dataset
     # The raw cache alone (it holds the whole dataset): the decoded tier would serve the later epochs and
     # the second group from decoded samples, without a read (tests/test_tier.py).
-    searcher = CoordinatedSearcher(cache=CacheSpec("64MiB"), pool=PoolSpec(decoded_fraction=0))
+    searcher = CoordinatedSearcher(cache=CacheSpec("64MiB"), pool=dataclasses.replace(warm_pool, decoded_fraction=0))
     with FileOpens(small_dataset) as opens:
         analysis = tune.run(
             tune.with_resources(record, {"cpu": 0.25}),

@@ -38,7 +38,7 @@ def test_a_tiny_sweep_prints_and_writes_its_summary(ray_session, small_dataset, 
         storage_path: {tmp_path / "runs"}
         trainable: small_cnn
         data: {{dataset: {small_dataset}, pipeline: {{size: 24}}, chunk_size: 8}}
-        pool: {{actors: 1, keep_warm: true}}
+        pool: {{actors: 2, keep_warm: true}}
         search_space: {{lr: {{loguniform: [0.01, 0.1]}}, batch_size: {{choice: [8, 16]}}, width: 4, epochs: 2}}
         num_samples: 3
         max_concurrent_trials: 3
@@ -60,9 +60,9 @@ def test_a_tiny_sweep_prints_and_writes_its_summary(ray_session, small_dataset, 
     assert f"group {next(iter(summary['groups']))}: sharing " in line and "(3 trials reported)" in line
     assert group["samples_prepared"] >= group["samples_per_epoch"] and group["coordinators"] >= 1
     assert all(t["stall_fraction"] is not None for t in summary["trials"])
-    [pool] = summary["pools"].values()  # a fixed pool (pool.actors: 1), said so in the summary
-    assert pool["prep_actors"] == 1 and pool["growth"] is None and "Prep pool on node" in out
-    assert "1 actors, fixed" in out
+    [pool] = summary["pools"].values()  # a fixed pool (pool.actors: 2), said so in the summary
+    assert pool["prep_actors"] == 2 and pool["growth"] is None and "Prep pool on node" in out
+    assert "2 actors, fixed" in out
 
     # From the sweep's directory back to its best trial, ready for the standalone loader, and the
     # data-group reports the searcher saved there.

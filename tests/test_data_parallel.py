@@ -34,6 +34,9 @@ from tests.conftest import live_coordprep_actors, plasma_objects, plasma_objects
 from tests.harness import assert_exactly_once, reference_digests, stream_samples, train_ids
 from tests.recording import Gate, OpenOnResult, record_rank, record_ranks
 
+#: This module's sweeps keep a pool of 1 prep actor holding 0.5 CPU (two trials' Ray Train workers
+#: take the rest): tests/conftest.py runs them after the other modules' sweeps, which keep another.
+KEPT_POOL_SHAPE = (1, 0.5)
 
 # -- the shard, without Ray ----------------------------------------------------------------
 class _Stream:

@@ -61,7 +61,7 @@ def sweep(request, ray_session, small_dataset, tmp_path_factory):
         trainable: tests.recording:record
         data: {{dataset: {small_dataset}, pipeline: {{size: 24}}, seed: 1, chunk_size: 8, segments: 21,
                 lookahead: 16, staging_bytes: {16 * PIECE}, lease_s: 300}}
-        pool: {{actors: 1, keep_warm: true}}
+        pool: {{keep_warm: true}}
         search_space:
           batch_size: 8
           epochs: 4

@@ -33,7 +33,7 @@ name: optuna
 storage_path: {runs}
 trainable: small_cnn
 data: {{dataset: "builtin:shapes", pipeline: {{size: 32}}, chunk_size: 64}}
-pool: {{actors: 1, keep_warm: true}}
+pool: {{keep_warm: true}}
 search_space: {{lr: {{loguniform: [0.01, 0.1]}}, batch_size: {{choice: [32, 64]}}, width: 4, epochs: 1}}
 num_samples: 3
 max_concurrent_trials: 3
@@ -112,7 +112,7 @@ def _data_sweep(tmp_path, small_dataset: str, name: str, key: str, samples: int)
         storage_path: {tmp_path / "runs"}
         trainable: tests.test_sweep_runner:read_one_epoch
         data: {{dataset: {small_dataset}, pipeline: {{size: 24, scale: [0.3, 1.0]}}, chunk_size: 8}}
-        pool: {{actors: 1, keep_warm: true}}
+        pool: {{keep_warm: true}}
         search_space: {{{key}}}
         num_samples: {samples}
         max_concurrent_trials: 4
@@ -171,7 +171,7 @@ def test_a_grid_on_a_pipeline_key_forms_one_group_per_value(ray_session, small_d
 @pytest.mark.usefixtures("warm_pool")  # one kept pool for the module's sweeps
 def test_tune_domains_inside_a_python_data_dict_work_with_the_coordinated_searcher(ray_session, small_dataset,
                                                                                    tmp_path):
-    searcher, seen, progress = CoordinatedSearcher(pool={"actors": 1, "keep_warm": True}), _Seen(), io.StringIO()
+    searcher, seen, progress = CoordinatedSearcher(pool={"keep_warm": True}), _Seen(), io.StringIO()
     data = {"dataset": small_dataset, "chunk_size": 8, "pipeline": {"size": 24, "scale": [tune.uniform(0.2, 0.6), 1.0]}}
     tuner = tune.Tuner(
         tune.with_resources(read_one_epoch, {"cpu": 0.25}), param_space={"data": data},

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("warm_pool")  # the sweeps below keep their
 
 
 def _sweep(tmp_path, small_dataset: str, name: str, extra: str = "", trainable: str = "small_cnn",
-           space: str = "", samples: int = 4, pool: str = "{actors: 1, keep_warm: true}") -> str:
+           space: str = "", samples: int = 4, pool: str = "{keep_warm: true}") -> str:
     path = tmp_path / f"{name}.yaml"
     path.write_text(textwrap.dedent(f"""
         name: {name}
@@ -78,7 +78,7 @@ def evaluate_both_ways(config: dict) -> None:
 
 @pytest.mark.parametrize("eval_fraction", [0.5, 0.0], ids=["resident", "streamed"])
 def test_shared_evaluation_equals_each_trials_own(ray_session, small_dataset, tmp_path, eval_fraction):
-    cfg = load_sweep(_sweep(tmp_path, small_dataset, "evalboth", pool=f"{{actors: 1, keep_warm: true, eval_fraction: {eval_fraction}}}",
+    cfg = load_sweep(_sweep(tmp_path, small_dataset, "evalboth", pool=f"{{keep_warm: true, eval_fraction: {eval_fraction}}}",
                             trainable="tests.test_sweep_workflows:evaluate_both_ways", samples=2))
     summary = run_sweep(cfg, verbose=0)
     assert [t["status"] for t in summary["trials"]] == ["TERMINATED"] * 2

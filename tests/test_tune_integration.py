@@ -252,6 +252,54 @@ def test_the_dali_backend_shares_exact_epochs(ray_session, small_dataset, tmp_pa
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
 
 
+def _stepping(config: dict) -> None:
+    """Reads epochs in batches of 8 with a step of ``step_s`` per batch (an accelerator's: the trial
+    waits on it, not on the CPU) and reports when it began and ended. With ``opens``, it opens that
+    :class:`Gate` as it begins and reads one epoch; with ``until_open``, it reads until an epoch ends
+    with that gate open, or ``epochs`` epochs."""
+    began = time.time()
+    if config.get("opens"):
+        ray.get(ray.get_actor(config["opens"], namespace="coordinated_prep").open.remote(), timeout=60)
+    gate = ray.get_actor(config["until_open"], namespace="coordinated_prep") if config.get("until_open") else None
+    loader = train_loader(config, batch_size=8)
+    seen = 0
+    for _ in range(config["epochs"]):
+        for batch in loader:
+            seen += len(batch)
+            time.sleep(config["step_s"])  # stands for the accelerator's step, not for synchronisation
+        if gate is None or ray.get(gate.opened.remote(), timeout=60):
+            break
+    tune.report({"began": began, "ended": time.time(), "seen": seen})
+
+
+def test_a_pool_whose_preparation_runs_ahead_gives_its_cpus_back_and_tune_runs_another_trial(ray_session,
+                                                                                              small_dataset):
+    """Two trials at ``cpu: 1`` on 2 CPUs: while the pool holds its actor's 0.5 CPU, one fits. The
+    pipeline is cheap and the trial waits on its steps, so the pool gives its share back to Tune
+    (and says why), and Tune starts the second trial while the first still runs: the first reads
+    until the second has begun, or 40 epochs (about 50 s) if the pool kept its CPUs."""
+    spec = _spec(small_dataset)
+    gate = Gate.options(name="second-began", namespace="coordinated_prep").remote()  # noqa: F841 (kept alive)
+    searcher = CoordinatedSearcher()
+    roles = [{"epochs": 40, "until_open": "second-began"}, {"epochs": 1, "opens": "second-began"}]
+    analysis = tune.run(tune.with_resources(_stepping, {"cpu": 1}), search_alg=searcher, verbose=0,
+                        config={"data": spec, "role": tune.grid_search([0, 1]), "step_s": 0.06,
+                                **{k: tune.sample_from(lambda c, k=k: roles[c["role"]].get(k))
+                                   for k in ("epochs", "until_open", "opens")}})
+    [pool] = searcher.pool_reports().values()
+    searcher.close()
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    first, second = sorted(analysis.trials, key=lambda t: t.config["role"])
+    assert second.last_result["began"] < first.last_result["ended"], ("the second trial waited for the first to end",
+                                                                       pool)
+    epoch = len(train_ids(spec))
+    assert first.last_result["seen"] % epoch == 0 and second.last_result["seen"] == epoch, "whole epochs"
+    assert first.last_result["seen"] < 40 * epoch, "the first trial read until the second began"
+    assert pool["growth"]["released"] >= 1 and pool["growth"]["decisions"][0][1] == "release", pool
+    assert "preparation runs ahead" in pool["growth"]["decisions"][0][2], pool
+    assert live_coordprep_actors() == []
+
+
 class _OpenOnceGrown(tune.Callback):
     """Opens the gate ``pool-grown`` once the searcher's pool has grown (checked at each result)."""
 
@@ -297,50 +345,3 @@ def test_a_pool_sized_by_demand_starts_with_one_actor_and_grows_while_the_trial_
     picked = np.arange(0, len(last["indices"]), 97)
     assert np.array_equal(last["digests"][picked],
                           reference_digests(spec, last["stream_epochs"][picked], last["indices"][picked]))
-
-
-def _stepping(config: dict) -> None:
-    """Reads epochs in batches of 8 with a step of ``step_s`` per batch (an accelerator's: the trial
-    waits on it, not on the CPU) and reports when it began and ended. With ``opens``, it opens that
-    :class:`Gate` as it begins and reads one epoch; with ``until_open``, it reads until an epoch ends
-    with that gate open, or ``epochs`` epochs."""
-    began = time.time()
-    if config.get("opens"):
-        ray.get(ray.get_actor(config["opens"], namespace="coordinated_prep").open.remote(), timeout=60)
-    gate = ray.get_actor(config["until_open"], namespace="coordinated_prep") if config.get("until_open") else None
-    loader = train_loader(config, batch_size=8)
-    seen = 0
-    for _ in range(config["epochs"]):
-        for batch in loader:
-            seen += len(batch)
-            time.sleep(config["step_s"])  # stands for the accelerator's step, not for synchronisation
-        if gate is None or ray.get(gate.opened.remote(), timeout=60):
-            break
-    tune.report({"began": began, "ended": time.time(), "seen": seen})
-
-
-def test_a_pool_whose_preparation_runs_ahead_gives_its_cpus_back_and_tune_runs_another_trial(ray_session,
-                                                                                              small_dataset):
-    """Two trials at ``cpu: 1`` on 2 CPUs: while the pool holds its actor's 0.5 CPU, one fits. The
-    pipeline is cheap and the trial waits on its steps, so the pool gives its share back to Tune
-    (and says why), and Tune starts the second trial while the first still runs: the first reads
-    until the second has begun, or 40 epochs (about 50 s) if the pool kept its CPUs."""
-    spec = _spec(small_dataset)
-    gate = Gate.options(name="second-began", namespace="coordinated_prep").remote()  # noqa: F841 (kept alive)
-    searcher = CoordinatedSearcher()
-    roles = [{"epochs": 40, "until_open": "second-began"}, {"epochs": 1, "opens": "second-began"}]
-    analysis = tune.run(tune.with_resources(_stepping, {"cpu": 1}), search_alg=searcher, verbose=0,
-                        config={"data": spec, "role": tune.grid_search([0, 1]), "step_s": 0.06,
-                                **{k: tune.sample_from(lambda c, k=k: roles[c["role"]].get(k))
-                                   for k in ("epochs", "until_open", "opens")}})
-    [pool] = searcher.pool_reports().values()
-    searcher.close()
-    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
-    first, second = sorted(analysis.trials, key=lambda t: t.config["role"])
-    assert second.last_result["began"] < first.last_result["ended"], "the second trial waited for the first to end"
-    epoch = len(train_ids(spec))
-    assert first.last_result["seen"] % epoch == 0 and second.last_result["seen"] == epoch, "whole epochs"
-    assert first.last_result["seen"] < 40 * epoch, "the first trial read until the second began"
-    assert pool["growth"]["released"] >= 1 and pool["growth"]["decisions"][0][1] == "release", pool
-    assert "preparation runs ahead" in pool["growth"]["decisions"][0][2], pool
-    assert live_coordprep_actors() == []

@@ -116,7 +116,7 @@ def _reference_eval(spec: DataSpec) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def pipelines_sweep(ray_session, tmp_path_factory):
+def pipelines_sweep(ray_session, tmp_path_factory, warm_pool):
     """One sweep of every user pipeline, two trials each (batch sizes 8 and 12): four data groups."""
     out = str(tmp_path_factory.mktemp("pipelines"))
     specs = {name: _spec(name) for name in PIPELINES}
