@@ -45,9 +45,9 @@ _shared_ray_up = False  # whether the Ray instance this process is connected to 
 @pytest.fixture(scope="module")
 def ray_session():
     """The session's shared local Ray instance: started by the first module that asks for it and kept
-    for the next (starting and stopping one costs 5 to 15 s on 2 cores, and 21 modules use it). A
-    module that needs Ray started otherwise (a cluster, a small store, a metrics port) calls
-    :func:`own_ray` first. Each test leaves it as it found it: no actor of ours, no object."""
+    for the next (starting and stopping one costs 5 to 15 s on 2 cores, and 25 modules use it). A
+    module that needs Ray started otherwise (a cluster, a metrics port, an S3 server's environment)
+    calls :func:`own_ray` first. Each test leaves it as it found it: no actor of ours, no object."""
     import ray
 
     global _shared_ray_up
@@ -81,11 +81,11 @@ def warm_pool():
 @pytest.fixture(autouse=True)
 def _no_warm_pool_unless_asked(request):
     """A test of the shared Ray instance that does not take :func:`warm_pool` finds no kept prep actor
-    holding CPUs. A test that does not use Ray, or is marked ``pool_free`` (it starts no prep pool and
-    leaves a CPU free for what it runs), leaves them be, for the next sweep."""
+    holding CPUs. A test that does not use Ray leaves them be, for the next sweep (and the suite runs
+    every test that takes :func:`warm_pool` after those that do not: see
+    :func:`pytest_collection_modifyitems`)."""
     asks = set(request.fixturenames)
-    keeps = "warm_pool" in asks or request.node.get_closest_marker("pool_free") is not None
-    if "ray_session" in asks and not keeps and "coordinated_prep.pool.warm" in sys.modules:
+    if "ray_session" in asks and "warm_pool" not in asks and "coordinated_prep.pool.warm" in sys.modules:
         import ray
 
         if ray.is_initialized():

@@ -9,7 +9,6 @@ import dataclasses
 import os
 
 import numpy as np
-import pytest
 import ray
 from ray import tune
 
@@ -27,7 +26,6 @@ from tests.utils import FileOpens
 EPOCHS = 3
 
 
-@pytest.mark.pool_free
 def test_minio_hit_rate_is_the_cached_fraction_while_lru_of_the_same_size_falls_short(ray_session, small_dataset):
     source = open_source(small_dataset)
     n = len(source)

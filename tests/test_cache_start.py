@@ -39,7 +39,6 @@ def _holders(path: str) -> list[int]:
     return pids
 
 
-@pytest.mark.pool_free
 def test_a_capacity_that_cannot_be_reserved_is_an_error_naming_node_and_fix(ray_session):
     layout = _layout("test-impossible")
     with pytest.raises(CacheError) as info:
@@ -88,7 +87,6 @@ def test_a_sweep_whose_cache_cannot_start_fails_at_start_instead_of_reading_stor
         assert True not in decided, "a pool of the registry's own is waited for"
 
 
-@pytest.mark.pool_free
 def test_a_sigkilled_caches_arena_is_reclaimed_by_the_next_sweeps_cache_and_a_live_one_kept(ray_session):
     killed = asyncio.run(start_caches(CacheSpec("1MiB"), _layout("test-killed")))
     live = asyncio.run(start_caches(CacheSpec("1MiB"), _layout("test-live")))

@@ -6,13 +6,10 @@ import asyncio
 import subprocess
 import sys
 
-import pytest
-
 from coordinated_prep import DataSpec
 from coordinated_prep.stream.watch import Process, _start_time
 
 
-@pytest.mark.pool_free
 def test_a_detached_consumer_is_forgotten_when_its_process_ends_or_its_trial_is_over(ray_session, small_dataset):
     from coordinated_prep.stream.coordinator import Coordinator
 
@@ -64,7 +61,6 @@ class _LandingActor:
         return future, "piece"
 
 
-@pytest.mark.pool_free
 def test_pieces_of_a_length_sorted_dataset_are_charged_their_real_bytes(ray_session, small_dataset):
     """The probe saw the dataset's shortest samples (a length-sorted speech set) and every piece
     lands at 15 times its estimate: the group is charged what landed and stays within its budget or

@@ -158,8 +158,8 @@ def test_the_ranks_of_a_data_parallel_trial_on_two_nodes_read_their_own_nodes_co
 
 def test_copies_that_differ_between_nodes_are_refused_naming_both(cluster, tmp_path):
     c, nodes = cluster
-    _connect(c, shared_cache=False)  # each node's workers see their raylet's cache
     try:
+        _connect(c, shared_cache=False)  # each node's workers see their raylet's cache
         spec = DataSpec(dataset="builtin:shapes", pipeline={"size": 24}, chunk_size=8, segments=2)
         searcher = CoordinatedSearcher(max_concurrent=1)  # node_a's trial runs, and starts the group, first
         analysis = tune.run(

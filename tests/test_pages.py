@@ -195,7 +195,6 @@ def _write_into_every_batch(refs: list) -> int:
     return total
 
 
-@pytest.mark.pool_free
 def test_a_write_into_a_shared_batch_stays_in_the_writer(ray_session):
     ray = ray_session
     piece = _piece()  # 196 KiB: in the object store, shared by every reader of the node

@@ -310,7 +310,6 @@ def test_without_a_tier_every_group_decodes_every_sample_each_epoch(ray_session,
         assert r["decodes"] == r["samples_prepared"] and r["tier_hits"] == 0
 
 
-@pytest.mark.pool_free
 def test_a_wait_on_a_claim_that_is_never_committed_ends_at_its_deadline(ray_session, small_dataset):
     from coordinated_prep.tier.actor import DecodedTier
     from coordinated_prep.tier.client import TierClient
