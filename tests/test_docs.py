@@ -24,7 +24,7 @@ SUBCOMMANDS = ("sweep", "analyze", "memory", "bench", "echo", "dashboard", "conv
 PLACEHOLDERS = {"FILE": "experiments/default.yaml", "SRC": "builtin:shapes", "OUT": "out", "PATH": "out.json",
                 "DIR": "out", "N": "2"}
 #: Commands a test elsewhere runs for real (they need a cluster or take minutes), and that test.
-ELSEWHERE = {"coordprep dashboard": "tests/test_metrics.py::test_the_dashboard_names_only_metrics_a_real_sweep_exports",
+ELSEWHERE = {"coordprep dashboard": "tests/test_metrics.py::test_every_dashboard_panel_has_series_and_what_did_not_happen_has_zeros",
              "curl -s 127.0.0.1:8080/metrics | grep coordprep":
                  "tests/test_metrics.py::test_metrics_are_scraped_during_a_sweep_with_plausible_values"}
 DRY_RUN = ("sweep", "analyze", "memory", "bench", "echo")  # long: --dry-run validates the file

@@ -105,7 +105,8 @@ def test_metrics_are_scraped_during_a_sweep_with_plausible_values(ray_session, s
     during: list[dict] = []
     # A decoded tier of one byte: its series are exported, and it keeps nothing, so every epoch reads
     # through the node cache, whose counts this test checks.
-    searcher = CoordinatedSearcher(cache=CacheSpec("32MiB"), pool=PoolSpec(decoded_bytes=1))
+    # The pool is kept for the module's next sweep (its processes start once).
+    searcher = CoordinatedSearcher(cache=CacheSpec("32MiB"), pool=PoolSpec(decoded_bytes=1, keep_warm=True))
     try:
         with polling(lambda: during.append(scrape())):  # the scraper Prometheus would be, while the sweep runs
             analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}),
@@ -174,22 +175,16 @@ def test_metrics_are_scraped_during_a_sweep_with_plausible_values(ray_session, s
     assert held <= value(final, "eval_samples_served", pipeline=pipeline) <= len(trials) * epochs * held
 
 
-def _exported_names() -> set[str]:
-    """Every ``ray_coordprep_*`` sample name on the endpoint now, as exported (counters with ``_total``)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=10).read().decode()
-    return {s.name for family in text_string_to_metric_families(text) for s in family.samples
-            if s.name.startswith("ray_coordprep_")}
-
-
-def _scraped_sweep(tmp_path, spec: DataSpec, collect, done, **config) -> list:
-    """Two recorded trials of ``spec`` with evaluation and a node cache, the endpoint scraped by
-    ``collect`` while they run (gauges leave with their actors), then until ``done(trial_ids)``
-    (bounded: the last exports reach the endpoint on Ray's report interval). Returns the trials."""
-    searcher = CoordinatedSearcher(cache=CacheSpec("8MiB"))
+def _scraped_sweep(tmp_path, collect, done, **config) -> list:
+    """Recorded trials (``config``: Tune's, a grid or sample of ``data`` and ``echo`` among them) with
+    evaluation and a node cache, on the module's kept pool, the endpoint scraped by ``collect`` while
+    they run (gauges leave with their actors), then until ``done(trial_ids)`` (bounded: the last
+    exports reach the endpoint on Ray's report interval). Returns the trials."""
+    searcher = CoordinatedSearcher(cache=CacheSpec("8MiB"), pool=PoolSpec(keep_warm=True))
     with polling(collect):
         try:
             analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}),
-                                config={"data": spec, "batch_size": 8, "delay_s": 0.05, "evaluate": True,
+                                config={"batch_size": 8, "delay_s": 0.05, "evaluate": True,
                                         "score": tune.grid_search([1, 2]), "out": str(tmp_path / "out"), **config},
                                 search_alg=searcher, verbose=0)
         finally:
@@ -203,30 +198,9 @@ def _scraped_sweep(tmp_path, spec: DataSpec, collect, done, **config) -> list:
     return analysis.trials
 
 
-def test_the_dashboard_names_only_metrics_a_real_sweep_exports(ray_session, tmp_path):
-    from coordinated_prep.dashboard import FILE_NAME, dashboard, install, metric_names
-    from tests.utils import make_imagefolder
-
-    # One unreadable sample (skipped: the errors series), a node cache, echo, evaluation: every panel has data.
-    root = make_imagefolder(str(tmp_path / "data"), classes=2, per_class=20)
-    with open(os.path.join(root, "class_0", "img_001.jpg"), "wb") as f:
-        f.write(b"not a jpeg")
-    spec = DataSpec(dataset=root, pipeline={"size": 16}, seed=2, chunk_size=8, on_error="skip")
-    seen: set[str] = set()
-    wanted = metric_names(dashboard())
-    trials = _scraped_sweep(tmp_path, spec, lambda: seen.update(_exported_names()), lambda ids: wanted <= seen,
-                            epochs=2, echo="batch:2")
-    assert all(t.status == "TERMINATED" for t in trials), [t.error_file for t in trials]
-    assert len(wanted) >= 15, wanted
-    assert wanted <= seen, f"the dashboard names series no sweep exported: {sorted(wanted - seen)}"
-    # This Ray runs the dashboard, so its Grafana folder exists: the dashboard is installed beside Ray's own.
-    path = install()
-    assert os.path.basename(path) == FILE_NAME and os.path.dirname(path).endswith(os.path.join("grafana", "dashboards"))
-    assert json.load(open(path))["uid"] == "coordprep"
-
-
-def _panel_series() -> dict[str, set[str]]:
-    """Per ``ray_coordprep_*`` name on the endpoint now, the label sets (as text) of its samples, zeros included."""
+def _series() -> dict[str, set[str]]:
+    """Per ``ray_coordprep_*`` sample name on the endpoint now (counters with ``_total``), the label
+    sets (as text) of its samples, zeros included."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{PORT}/metrics", timeout=10).read().decode()
     found: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(text):
@@ -237,33 +211,55 @@ def _panel_series() -> dict[str, set[str]]:
     return found
 
 
-def test_the_dashboards_panels_have_series_zeros_included_on_a_sweep_with_no_errors_and_no_echo(ray_session, tmp_path):
-    from coordinated_prep.dashboard import dashboard, metric_names
+def test_every_dashboard_panel_has_series_and_what_did_not_happen_has_zeros(ray_session, tmp_path):
+    """One sweep of two groups, two trials each: one group's data has an unreadable sample (skipped: the
+    errors series) and its trials echo batches, so every panel has data; the other's is clean and its
+    trials do not echo, yet each error kind of that group and each of its trials' echo counter has a
+    series, at 0 (a panel of a healthy sweep is a line at zero, not "no data")."""
+    from coordinated_prep.dashboard import FILE_NAME, dashboard, install, metric_names
     from coordinated_prep.metrics import ERROR_KINDS
     from tests.utils import make_imagefolder
 
-    root = make_imagefolder(str(tmp_path / "data"), classes=2, per_class=20)  # every file readable
-    spec = DataSpec(dataset=root, pipeline={"size": 16}, seed=3, chunk_size=8)
+    broken = make_imagefolder(str(tmp_path / "broken"), classes=2, per_class=20)
+    with open(os.path.join(broken, "class_0", "img_001.jpg"), "wb") as f:
+        f.write(b"not a jpeg")
+    clean = make_imagefolder(str(tmp_path / "clean"), classes=2, per_class=20)  # every file readable
+    skipping = DataSpec(dataset=broken, pipeline={"size": 16}, seed=2, chunk_size=8, on_error="skip")
+    healthy = DataSpec(dataset=clean, pipeline={"size": 16}, seed=3, chunk_size=8)
+    group = healthy.group_key
     seen: dict[str, set[str]] = {}
 
     def collect() -> None:
-        for name, labels in _panel_series().items():
+        for name, labels in _series().items():
             seen.setdefault(name, set()).update(labels)
 
+    def kinds() -> set[str]:  # the healthy group's error series (the other group's name the same series)
+        return {labels for labels in seen.get("ray_coordprep_errors_total", ()) if f"('group', '{group}')" in labels}
+
+    def echo_series(trial: str) -> bool:
+        return any(f"('trial', '{trial}')" in labels for labels in seen.get("ray_coordprep_echoed_samples_total", ()))
+
     wanted = metric_names(dashboard())
-    group = spec.group_key
 
-    def done(ids: list[str]) -> bool:  # this group's and trials' own zero series (earlier tests' groups export the names)
-        kinds = {labels for labels in seen.get("ray_coordprep_errors_total", ()) if f"('group', '{group}')" in labels}
-        echoed = seen.get("ray_coordprep_echoed_samples_total", set())
-        return (wanted <= set(seen) and all(any(f"('kind', '{k}')" in labels for labels in kinds) for k in ERROR_KINDS)
-                and all(any(f"('trial', '{t}')" in labels for labels in echoed) for t in ids))
+    def done(ids: list[str]) -> bool:
+        return (wanted <= set(seen) and all(any(f"('kind', '{k}')" in labels for labels in kinds()) for k in ERROR_KINDS)
+                and all(echo_series(t) for t in ids))
 
-    trials = _scraped_sweep(tmp_path, spec, collect, done, epochs=2)
+    trials = _scraped_sweep(tmp_path, collect, done, epochs=2,
+                            data=tune.grid_search([skipping, healthy]),
+                            echo=tune.sample_from(lambda c: "batch:2" if c["data"].on_error == "skip" else None))
     assert all(t.status == "TERMINATED" for t in trials), [t.error_file for t in trials]
-    assert wanted <= set(seen), f"dashboard series with no data on a healthy sweep: {sorted(wanted - set(seen))}"
-    # No error and no echo happened, yet each kind and each trial's echo counter has a series (at 0).
-    kinds = {labels for labels in seen["ray_coordprep_errors_total"] if f"('group', '{group}')" in labels}
-    assert all(any(f"('kind', '{kind}')" in labels for labels in kinds) for kind in ERROR_KINDS), (group, seen.get("ray_coordprep_errors_total"))
-    for t in trials:
-        assert any(f"('trial', '{t.trial_id}')" in labels for labels in seen["ray_coordprep_echoed_samples_total"]), t
+    assert len(wanted) >= 15, wanted
+    assert wanted <= set(seen), f"the dashboard names series no sweep exported: {sorted(wanted - set(seen))}"
+    # No error and no echo happened in the healthy group, yet each kind and each of its trials' echo
+    # counter has a series (at 0).
+    assert all(any(f"('kind', '{kind}')" in labels for labels in kinds()) for kind in ERROR_KINDS), (
+        group, seen.get("ray_coordprep_errors_total"))
+    healthy_trials = [t for t in trials if t.config["data"].on_error != "skip"]
+    assert len(healthy_trials) == 2 and all(t.config.get("echo") is None for t in healthy_trials)
+    for t in healthy_trials:
+        assert echo_series(t.trial_id), t
+    # This Ray runs the dashboard, so its Grafana folder exists: the dashboard is installed beside Ray's own.
+    path = install()
+    assert os.path.basename(path) == FILE_NAME and os.path.dirname(path).endswith(os.path.join("grafana", "dashboards"))
+    assert json.load(open(path))["uid"] == "coordprep"

@@ -261,7 +261,7 @@ def _stepping(config: dict) -> None:
     if config.get("opens"):
         ray.get(ray.get_actor(config["opens"], namespace="coordinated_prep").open.remote(), timeout=60)
     gate = ray.get_actor(config["until_open"], namespace="coordinated_prep") if config.get("until_open") else None
-    loader = train_loader(config, batch_size=8)
+    loader = train_loader(config, batch_size=8, epochs=config["epochs"])  # declared: the next epoch runs ahead too
     seen = 0
     for _ in range(config["epochs"]):
         for batch in loader:
@@ -290,8 +290,8 @@ def test_a_pool_whose_preparation_runs_ahead_gives_its_cpus_back_and_tune_runs_a
     searcher.close()
     assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
     first, second = sorted(analysis.trials, key=lambda t: t.config["role"])
-    assert second.last_result["began"] < first.last_result["ended"], ("the second trial waited for the first to end",
-                                                                       pool)
+    assert second.last_result["began"] < first.last_result["ended"], (
+        f"the second trial waited for the first to end; the pool's growth: {pool['growth']}")
     epoch = len(train_ids(spec))
     assert first.last_result["seen"] % epoch == 0 and second.last_result["seen"] == epoch, "whole epochs"
     assert first.last_result["seen"] < 40 * epoch, "the first trial read until the second began"

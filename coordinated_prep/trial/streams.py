@@ -179,7 +179,8 @@ class SharedStream:
             prefetch = max(2, 2 * math.ceil(batch_size / info["chunk_size"]))
         self._prefetch = max(1, prefetch)
         self._pending: collections.deque[tuple[int, ray.ObjectRef]] = collections.deque()
-        self._blocked_s = 0.0  # blocked on answers since the last request: told to the coordinator with the next
+        # Blocked on answers not yet at hand since the last request: told to the coordinator with the next.
+        self._blocked_s = 0.0
         self._closed = False
         # A loader dropped without close() leaves its group when it is collected: one call sent, not
         # awaited (a finalizer may run anywhere, under any lock), and none at interpreter exit (the
@@ -310,9 +311,14 @@ class SharedStream:
             raise PrepError(f"trial {self._trial}: read past the {self._end - self.start} pieces it declared "
                             "(train_loader's epochs); raise epochs or leave it unset")
         g, ref = self._pending.popleft()
-        asked = time.perf_counter()
-        answer = self._call(ref, f"waiting for piece {g}", self._timeout + 30)
-        self._blocked_s += time.perf_counter() - asked
+        if ray.wait([ref], timeout=0, fetch_local=False)[0]:
+            # At hand: reading it (0.3 to 1 ms in a trial on 2 cores, measured) is not waiting on the
+            # pool; counted, it alone put a trial whose pieces were all ready above the pool's `low`.
+            answer = self._call(ref, f"reading the answer for piece {g}")
+        else:
+            asked = time.perf_counter()
+            answer = self._call(ref, f"waiting for piece {g}", self._timeout + 30)
+            self._blocked_s += time.perf_counter() - asked
         if answer["status"] == "evicted":
             self._detach(g, ref)
             return g, None
