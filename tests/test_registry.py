@@ -64,7 +64,7 @@ class _Coordinator:
     def _join_ranks(self, consumer: str, ranks: dict[int, Any], world: int, start: int, epochs: Any,
                     part: Any = None) -> Any:
         self.joined += [f"{consumer}@{rank}" for rank in ranks]
-        return {"tokens": {rank: rank for rank in ranks}, "info": {"start": start, "name": "fake"}}
+        return {"tokens": {rank: rank for rank in ranks}, "info": {"start": 0 if start is None else start, "name": "fake"}}
 
     def die(self) -> None:
         self.alive = False
@@ -355,6 +355,34 @@ def test_a_run_leaves_on_the_registrys_timer_and_a_tune_trial_does_not(registry,
         assert run.killed and not registry._runs, "the run's group outlived its process"
         assert not tune_trial.killed and registry._members == {next(iter(registry._groups)): {"abc_00001"}}, \
             "a paused Tune trial keeps its group until Tune reports it complete"
+
+    asyncio.run(scenario())
+
+
+def test_ranks_on_one_node_start_where_it_holds_pieces_whatever_it_releases_meanwhile(registry):
+    """The ranks' start on one node is its coordinator's join point when it registers them: a piece
+    released between a question and the registration (another trial of the group read on) cannot
+    leave them behind, preparing their own pieces (a clean clone's run saw both ranks of a trial do so)."""
+    async def scenario() -> None:
+        coordinator = await registry.group_for(_spec(), "reader", NODE)  # the group runs, its trial reads on
+        low = [3]
+
+        def join_point() -> int:  # the reader's next fetch releases a piece right after this answer
+            low[0] += 1
+            return low[0] - 1
+
+        def join_ranks(consumer: str, ranks: dict, world: int, start: int | None, epochs: Any, part: Any = None) -> Any:
+            if start is not None and start < low[0]:
+                return None  # released already: the ranks would prepare their own pieces
+            return {"tokens": {rank: rank for rank in ranks}, "info": {"start": low[0] if start is None else start}}
+
+        coordinator.join_point = _Method(_Coordinator._async(join_point))
+        coordinator.join_ranks = _Method(_Coordinator._async(join_ranks))
+        ranks = [asyncio.ensure_future(registry.meet(_spec(), "R", "R", rank, 2, NODE, 1, this_process(None), 30.0))
+                 for rank in (0, 1)]
+        placed = [await rank for rank in ranks]
+        assert all(p["info"] is not None for p in placed), "a release between asking and registering left them behind"
+        assert {p["start"] for p in placed} == {p["info"]["start"] for p in placed} == {3}
 
     asyncio.run(scenario())
 

@@ -205,11 +205,12 @@ class Coordinator(Producer):
         """The first piece a trial joining now would start on (the registry's rendezvous of ranks asks)."""
         return self.buffer.join_point()
 
-    async def join_ranks(self, trial: str, ranks: dict[int, Process | None], world: int, start: int,
+    async def join_ranks(self, trial: str, ranks: dict[int, Process | None], world: int, start: int | None,
                          epochs: int | None, part: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Register ranks ``ranks`` (rank -> its process on this node) of data-parallel ``trial`` of
-        ``world`` ranks at piece ``start``, as consumers ``<trial>@<rank>``; the registry's
-        rendezvous calls this on the node of each rank (``GroupRegistry.meet``).
+        ``world`` ranks at piece ``start`` (None: this group's join point now, where the ranks are all
+        on this node), as consumers ``<trial>@<rank>``; the registry's rendezvous calls this on the
+        node of each rank (``GroupRegistry.meet``).
 
         Every piece from ``start`` is kept until each of these ranks has fetched it, also for a rank
         whose loader is slower to begin. Consumers already registered under these ids (a worker
@@ -230,7 +231,7 @@ class Coordinator(Producer):
             logger.warning("trial %s: ranks %s cannot start at piece %d on %s (released already); they prepare "
                            "their own pieces", trial, sorted(ranks), start, self.name)
             return None
-        tokens = dict(zip(ids, joined[0]))
+        tokens, start = dict(zip(ids, joined[0])), joined[1]
         for rank, consumer in ids.items():
             self.evicted.pop(consumer, None)
             metrics.declare_trial(self.group, consumer)

@@ -45,10 +45,11 @@ class Ranks:
         2. When all ``world`` ranks are there, each of their nodes' coordinators says the lowest
            join point it can serve from (what it still holds), the start is the highest, and each
            registers its own ranks there at once (``Coordinator.join_ranks``), keeping every piece
-           from the start until each of them has fetched it.
+           from the start until each of them has fetched it. Ranks all on one node skip the
+           question: their coordinator registers them at its own join point, in the same call.
         3. A node that no longer holds the start when asked to register (it released pieces in
-           between) answers ``behind`` for its ranks, which then prepare their own pieces from the
-           start: the same bytes, exactly once still.
+           between: only where the ranks are on several nodes) answers ``behind`` for its ranks,
+           which then prepare their own pieces from the start: the same bytes, exactly once still.
 
         Raises:
             PrepError: The other ranks did not arrive, or were not placed, within ``timeout_s`` (named).
@@ -93,20 +94,23 @@ class Ranks:
         for rank, (node, process, _) in sorted(meeting.arrivals.items()):
             by_node.setdefault(node, {})[rank] = process
         epochs = meeting.arrivals[0][2]
+        start: int | None = None  # on one node: its coordinator's own join point, taken as it registers them
         for attempt in (1, 2):  # a coordinator that died in between is replaced when asked again: once
             # one node at a time; a completion in between makes the next group_for refuse (module docstring)
             coordinators = {node: await self._member_of(spec, trial, node, [p for p in ranks.values() if p])
                             for node, ranks in by_node.items()}
+            if len(coordinators) == 1:
+                break
             try:
                 lows = await asyncio.wait_for(asyncio.gather(*(c.join_point.remote() for c in coordinators.values())),
                                               CALL_TIMEOUT_S)
+                start = max(lows)
                 break
             except ray.exceptions.RayActorError:
                 if attempt == 2:
                     raise
                 logger.warning("trial %s: a coordinator of group %s died as its ranks were placed; asking for a new one",
                                trial, spec.group_key)
-        start = max(lows)
         answers = await asyncio.wait_for(
             asyncio.gather(*(coordinators[node].join_ranks.remote(consumer, ranks, meeting.world, start, epochs,
                                                                   part_fields(spec))
@@ -122,6 +126,9 @@ class Ranks:
                     for rank, token in answer["tokens"].items():
                         coordinators[node].leave.remote(f"{consumer}@{rank}", token)
             raise failed[0]
+        if start is None:
+            [answer] = answers
+            start = answer["info"]["start"]
         placed: dict[int, dict[str, Any]] = {}
         for node, answer in zip(by_node, answers):
             for rank in by_node[node]:
