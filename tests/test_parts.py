@@ -6,9 +6,11 @@ import dataclasses
 import glob
 import json
 import textwrap
+import threading
 
 import numpy as np
 import pytest
+import ray
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,7 +24,7 @@ from coordinated_prep.sweep.runner import run_sweep
 from coordinated_prep.sweep.preflight import preflight
 from tests.conftest import live_coordprep_actors
 from tests.harness import check_trial_records, stream_samples
-from tests.recording import load_records
+from tests.recording import Gate, load_records
 
 
 @settings(max_examples=60, deadline=None)
@@ -123,14 +125,22 @@ def test_a_three_fold_cross_validation_of_two_configs_from_yaml_prepares_each_sa
         data: {{dataset: {small_dataset}, pipeline: {{size: 32}}, seed: 3, holdout: 0.0, fold: [3, 0],
                 chunk_size: 16, segments: 4}}
         search_space: {{data.fold.1: {{grid: [0, 1, 2]}}, batch_size: {{grid: [8, 12]}}, epochs: 2,
-                        evaluate: true, out: {tmp_path / "records"}}}
+                        evaluate: true, out: {tmp_path / "records"}, gate: cv-all-began, gate_after: 0}}
         max_concurrent_trials: 6          # together: each piece is prepared once for all 6
         resources_per_trial: {{cpu: 0.1}}
         metric: score
         pool: {{keep_warm: true}}   # the prep actors an earlier test kept, kept again for the next
     """))
+    # Tune starts trial processes two at a time here: a trial may begin after the first ones ended,
+    # and a group that ended prepares again for it. So each trial waits after its first epoch until
+    # all 6 have read one (a clean clone's run had one trial begin on a second coordinator).
+    gate = Gate.options(name="cv-all-began", namespace="coordinated_prep").remote()
+    opener = threading.Thread(target=lambda: ray.get(gate.wait_arrivals.remote(6, 300), timeout=330) and ray.get(
+        gate.open.remote(), timeout=60), daemon=True)
+    opener.start()
     cfg = load_sweep(str(path))
     summary = run_sweep(cfg, verbose=0)
+    opener.join(timeout=30)
     trials = summary["trials"]
     assert len(trials) == 6 and all(t["status"] == "TERMINATED" for t in trials), trials
     [group] = summary["groups"].values()  # 3 folds x 2 batch sizes: one data group
@@ -151,6 +161,7 @@ def test_a_three_fold_cross_validation_of_two_configs_from_yaml_prepares_each_sa
         folds.append(fold)
     assert sorted(folds) == sorted(list(range(3)) * 2), "each fold trained by both configs"
     starts = [int(records[t["trial"]][0]["start"]) for t in trials]
+    assert group["coordinators"] == 1, group
     assert group["samples_prepared"] == stream_samples(starts, 2, 180, 16), "each piece prepared once for all folds"
     assert group["samples_prepared"] < 3 * 2 * 180, "three groups, one per fold, would prepare 3x"
     assert group["samples_served"] == sum(2 * parts[f].size for f in folds), "a trial is served its part only"
