@@ -10,6 +10,7 @@ import shutil
 import textwrap
 import threading
 
+import numpy as np
 import pytest
 
 from coordinated_prep.convert import convert_to_tar
@@ -78,6 +79,9 @@ def test_shards_over_http_are_fetched_once_per_node_and_read_byte_for_byte(small
             open_source.__wrapped__(f"{server.url}/shard-{{000002..000003}}.tar")
         # one lookup (fsspec tries a GET after the HEAD's 404), no fetch attempts; the cached shard not fetched again
         assert _gets(server).get("/shard-000003.tar", 0) <= 1 and _gets(server)["/shard-000002.tar"] == 1
+        with pytest.raises(DatasetError, match=r"^2 of 3 shards could not be fetched \(http://\S+/shard-000003\.tar, "
+                                               r"http://\S+/shard-000004\.tar\); the first: shard \S+ does not exist"):
+            open_source.__wrapped__(f"{server.url}/shard-{{000002..000004}}.tar")  # one run names every URL to fix
 
         shutil.copy(os.path.join(shards, "shard-000002.tar"), os.path.join(shards, "broken-000002.tar"))
         with pytest.raises(DatasetError, match=r"shard http://127\.0\.0\.1:\d+/broken-000002\.tar: could not be "
@@ -89,6 +93,51 @@ def test_shards_over_http_are_fetched_once_per_node_and_read_byte_for_byte(small
         os.utime(first, (os.path.getmtime(first) + 100,) * 2)  # the shard replaced at its URL: a new version
         assert open_source.__wrapped__(url).read(0) == folder.read(0)
         assert _gets(server)["/shard-000000.tar"] == 2 and _gets(server)["/shard-000001.tar"] == 1
+
+
+def test_a_parquet_dataset_named_by_its_manifests_url_is_fetched_once_per_node_and_read_byte_for_byte(
+        small_dataset, node_cache, tmp_path):
+    from coordinated_prep.convert.parquet import convert_imagefolder
+
+    folder = open_source.__wrapped__(small_dataset)
+    served = convert_imagefolder(small_dataset, str(tmp_path / "served"), shard_size=64, row_group_size=16).out
+    parts = sorted(f for f in os.listdir(served) if f.endswith(".parquet"))
+    assert len(parts) == 3
+    with Server("http", str(tmp_path / "http.log"), served) as server:
+        url = f"{server.url}/coordprep-parquet.json"
+        opened: list = [None] * 4
+        errors: list = []
+
+        def open_one(k: int) -> None:  # four openers of the node at once
+            try:
+                opened[k] = open_source.__wrapped__(url)
+            except Exception as e:  # surfaced below
+                errors.append(e)
+
+        threads = [threading.Thread(target=open_one, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not errors and all(s is not None for s in opened), errors
+        assert _gets(server) == {"/coordprep-parquet.json": 1, **{f"/{p}": 1 for p in parts}}, "one GET per file"
+        for source in opened:
+            assert len(source) == len(folder) and all(source.read(i) == folder.read(i) for i in (0, 63, 64, 179))
+            assert np.array_equal(source.labels, folder.labels) and source.classes == tuple(folder.classes)
+        assert opened[0].describe(70) == f"{server.url}/{parts[1]}#row 6", "errors name the URL"
+        assert open_source.__wrapped__(url).read(100) == folder.read(100)
+        assert all(n == 1 for n in _gets(server).values()), "opened again: the node's copies, nothing fetched"
+
+        manifest = os.path.join(served, "coordprep-parquet.json")
+        os.utime(manifest, (os.path.getmtime(manifest) + 100,) * 2)  # rewritten at its URL: a new version
+        os.rename(os.path.join(served, parts[2]), os.path.join(served, "gone.parquet"))
+        with pytest.raises(DatasetError, match=rf"shard {server.url}/{parts[2]} does not exist"):
+            open_source.__wrapped__(url)  # the manifest's new version lists a shard the store lacks
+        assert _gets(server)["/coordprep-parquet.json"] == 2 and _gets(server)[f"/{parts[0]}"] == 1
+
+        with pytest.raises(DatasetError, match=r"holds no \*\.tar shards; a Parquet dataset in object storage is "
+                                               r"named by its manifest's URL \(http://\S+/coordprep-parquet\.json\)"):
+            open_source.__wrapped__(server.url + "/")
 
 
 def _blocked_flocks() -> int:

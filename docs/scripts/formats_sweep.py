@@ -6,9 +6,10 @@ Parquet (``coordprep convert``, its default row groups) and as 64 tar shards of 
 is one sweep of N trials sharing one group (the built-in 224 px crop and flip, batches of 64, one
 epoch, a 5 ms step per batch), on a Ray instance started once; the sweep's time counts the searcher's
 start and close (the pool's start included). Local runs follow an eviction of the format's files from
-the page cache. Remote runs read the tar shards from ``tests/servers.py``'s HTTP server on loopback,
-which answers every request ``--latency-ms`` late and counts them; the node's shard cache is emptied
-before each run. Raw files and Parquet cannot be read from a URL yet, so they run from local disk only.
+the page cache. Remote runs read the tar shards, and the Parquet dataset by its manifest's URL, from
+``tests/servers.py``'s HTTP server on loopback, which answers every request ``--latency-ms`` late and
+counts them; the node's shard cache is emptied before each run. Raw files cannot be read from a URL
+yet, so they run from local disk only.
 
     PYTHONPATH=. .venv/bin/python docs/scripts/formats_sweep.py --trials 1 8 --latency-ms 10 50
 """
@@ -96,16 +97,17 @@ def main() -> None:
                   f"{r['first_batch_s'][0]:.1f} s, {r['first_batch_s'][1]:.1f} s | - | - |", flush=True)
         for latency in args.latency_ms:
             os.environ["COORDPREP_SERVER_LATENCY_MS"] = str(latency)
-            log = os.path.join(work, f"requests-{n}-{latency:g}")
-            with Server("http", log, work) as server:
-                shutil.rmtree(shard_cache_dir(), ignore_errors=True)
-                r = run(f"{server.url}/tar/{pattern}", n)
-                asked = server.requests()
-            gets = [path for (method, path), k in asked.items() for _ in range(k) if method == "GET"]
-            fetched = sum(os.path.getsize(os.path.join(work, p.lstrip("/"))) for p in gets) / 2**20
-            print(f"| tar shards | HTTP, {latency:g} ms a request | {n} | {r['wall_s']:.1f} s | "
-                  f"{r['samples_per_s']:,.0f} | {r['first_batch_s'][0]:.1f} s, {r['first_batch_s'][1]:.1f} s | "
-                  f"{sum(asked.values())} ({len(gets)} GET) | {fetched:.0f} |", flush=True)
+            for name, path in (("tar shards", f"tar/{pattern}"), ("Parquet", "parquet/coordprep-parquet.json")):
+                log = os.path.join(work, f"requests-{n}-{latency:g}-{name[:3]}")
+                with Server("http", log, work) as server:
+                    shutil.rmtree(shard_cache_dir(), ignore_errors=True)
+                    r = run(f"{server.url}/{path}", n)
+                    asked = server.requests()
+                gets = [p for (method, p), k in asked.items() for _ in range(k) if method == "GET"]
+                fetched = sum(os.path.getsize(os.path.join(work, p.lstrip("/"))) for p in gets) / 2**20
+                print(f"| {name} | HTTP, {latency:g} ms a request | {n} | {r['wall_s']:.1f} s | "
+                      f"{r['samples_per_s']:,.0f} | {r['first_batch_s'][0]:.1f} s, {r['first_batch_s'][1]:.1f} s | "
+                      f"{sum(asked.values())} ({len(gets)} GET) | {fetched:.0f} |", flush=True)
     ray.shutdown()
     shutil.rmtree(work, ignore_errors=True)
 

@@ -9,6 +9,7 @@ import os
 from coordinated_prep.contracts import DataSource
 from coordinated_prep.errors import DatasetError
 from coordinated_prep.pipeline.sources.imagefolder import ImageFolderSource
+from coordinated_prep.pipeline.sources.remote import is_url
 from coordinated_prep.pipeline.sources.shapes import ensure_shapes
 from coordinated_prep.pipeline.sources.tar_shards import is_tar_dataset
 
@@ -26,7 +27,9 @@ def open_source(dataset: str) -> DataSource:
     """Open the data source a ``DataSpec.dataset`` names (cached per process).
 
     ``builtin:<name>`` is a generated ImageFolder; a directory holding ``coordprep-parquet.json``
-    (written by ``coordprep convert``) is a :class:`ParquetSource`; WebDataset tar shards (a brace
+    (written by ``coordprep convert``) is a :class:`ParquetSource`, and so is that manifest's URL
+    (``s3://bucket/photos/coordprep-parquet.json``: the dataset is fetched once per node,
+    :func:`~coordinated_prep.pipeline.sources.remote.fetched_parquet`); WebDataset tar shards (a brace
     pattern such as ``shards-{0000..0063}.tar``, a ``.tar`` file, or a directory of ``*.tar`` with no
     subdirectory) are a :class:`~coordinated_prep.pipeline.sources.tar_shards.TarShardSource`; any
     other directory is read as an ImageFolder. In a process of a coordinated sweep, an ImageFolder's index comes from the
@@ -44,10 +47,15 @@ def open_source(dataset: str) -> DataSource:
 
             return _image_folder(ensure_photos())
         return _image_folder(ensure_shapes(variant=dataset.removeprefix("builtin:")))
-    if os.path.isfile(os.path.join(dataset, PARQUET_MANIFEST)):
+    if is_url(dataset) and dataset.endswith("/" + PARQUET_MANIFEST):  # fetched whole, once per node
+        from coordinated_prep.pipeline.sources.parquet import ParquetSource
+        from coordinated_prep.pipeline.sources.remote import fetched_parquet
+
+        source: DataSource = ParquetSource(fetched_parquet(dataset), origin=dataset.rsplit("/", 1)[0])
+    elif os.path.isfile(os.path.join(dataset, PARQUET_MANIFEST)):
         from coordinated_prep.pipeline.sources.parquet import ParquetSource
 
-        source: DataSource = ParquetSource(dataset)
+        source = ParquetSource(dataset)
     elif is_tar_dataset(dataset):
         from coordinated_prep.pipeline.sources.tar_shards import TarShardSource
 

@@ -42,6 +42,8 @@ class ParquetSource:
         root: The dataset directory.
         cache_row_groups: Row groups of images kept in memory (a few MiB for ImageNet-sized JPEGs).
         max_open_files: Shard files kept open at once (least recently used closed first).
+        origin: Where ``root`` was fetched from (the URL of the folder holding the manifest), for
+            what errors name: ``<origin>/<shard file>#row <n>``; None: the local paths.
 
     Raises:
         DatasetError: Missing or unreadable manifest, another format version, a bad field (a shard
@@ -50,12 +52,13 @@ class ParquetSource:
             whose rows do not match the manifest.
     """
 
-    def __init__(self, root: str, cache_row_groups: int = 4, max_open_files: int = 64) -> None:
+    def __init__(self, root: str, cache_row_groups: int = 4, max_open_files: int = 64, origin: str | None = None) -> None:
         self.root = os.path.abspath(os.path.expanduser(root))
         manifest = read_manifest(self.root)
         self.classes: tuple[str, ...] = tuple(manifest["classes"])
         self.row_group_size = int(manifest["row_group_size"])
         self.shards: tuple[str, ...] = tuple(os.path.join(self.root, s["file"]) for s in manifest["shards"])
+        self.names = self.shards if origin is None else tuple(f"{origin}/{s['file']}" for s in manifest["shards"])
         self._cache_size = max(1, cache_row_groups)
         self._max_open = max(1, max_open_files)
         labels: list[np.ndarray] = []
@@ -89,9 +92,9 @@ class ParquetSource:
         return value
 
     def describe(self, index: int) -> str:
-        """The shard path and row of sample ``index``: ``<shard path>#row <n>``."""
+        """The shard (its path, or its URL) and row of sample ``index``: ``<shard>#row <n>``."""
         shard, row = self._locate(index)
-        return f"{self.shards[shard]}#row {row}"
+        return f"{self.names[shard]}#row {row}"
 
     def _locate(self, index: int) -> tuple[int, int]:
         n = len(self)

@@ -1,4 +1,6 @@
-"""Shards in object storage (``s3://``, ``gs://``, ``http(s)://``, any fsspec URL), fetched once per node.
+"""Shards in object storage (``s3://``, ``gs://``, ``http(s)://``, any fsspec URL), fetched once per node:
+WebDataset tar shards, and the Parquet shards of a dataset ``coordprep convert`` wrote (named by the
+URL of its manifest, :func:`fetched_parquet`).
 
 A tar shard's headers lie between its members, so indexing a shard reads all of it: a remote shard
 is fetched whole, once, into the node's shard cache (``$COORDPREP_CACHE/shards``, on local disk),
@@ -24,6 +26,8 @@ import hashlib
 import logging
 import os
 import re
+import shutil
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +41,7 @@ ATTEMPTS = 3  # fetches of one shard before its error is raised
 BACKOFF_S = 0.5  # wait before the second attempt; doubled before each later one
 LOCK_WAIT_S = 1800.0  # longest wait for another process of the node fetching the same shard
 FETCHERS = 16  # shards a process fetches (or looks up) at once
+NAMED = 5  # shards that could not be fetched named in one error (the others counted)
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 
@@ -66,7 +71,8 @@ def list_shards(url: str) -> list[str]:
         raise DatasetError(f"dataset {url!r}: cannot list its shards ({e!r}); check the URL and the "
                            "credentials, or name the shards with a pattern such as 'train-{0000..0063}.tar'") from e
     if not found:
-        raise DatasetError(f"dataset {url!r} holds no *.tar shards")
+        raise DatasetError(f"dataset {url!r} holds no *.tar shards; a Parquet dataset in object storage is named by "
+                           f"its manifest's URL ({url.rstrip('/')}/coordprep-parquet.json)")
     return [fs.unstrip_protocol(p) for p in found]
 
 
@@ -75,7 +81,8 @@ def fetched(urls: Sequence[str]) -> list[str]:
 
     Raises:
         DatasetError: A shard could not be fetched in :data:`ATTEMPTS` attempts (names the URL,
-            the last error and the fix).
+            the last error and the fix); where several could not, how many, and the first
+            :data:`NAMED` of them (so that one run shows every URL to fix).
     """
     folder = shard_cache_dir()
     os.makedirs(folder, exist_ok=True)
@@ -85,7 +92,18 @@ def fetched(urls: Sequence[str]) -> list[str]:
     # then a GET if this node lacks it), which one after another add up (64 shards at 50 ms: 3 s of HEADs
     # alone). The pool's exit waits for every fetch, each bounded by ATTEMPTS and fsspec's timeouts.
     with ThreadPoolExecutor(min(FETCHERS, len(urls)), thread_name_prefix="coordprep-fetch") as pool:
-        return list(pool.map(lambda url: _fetch(url, folder), urls))
+        done = [pool.submit(_fetch, url, folder) for url in urls]
+    failed = [(url, f.exception()) for url, f in zip(urls, done) if f.exception() is not None]
+    if any(not isinstance(e, DatasetError) for _, e in failed):  # a bug of ours, not a shard's: as it is
+        raise next(e for _, e in failed if not isinstance(e, DatasetError))
+    if len(failed) == 1:
+        raise failed[0][1]
+    if failed:
+        named = ", ".join(url for url, _ in failed[:NAMED]) + (f" and {len(failed) - NAMED} more"
+                                                                if len(failed) > NAMED else "")
+        raise DatasetError(f"{len(failed)} of {len(urls)} shards could not be fetched ({named}); the first: "
+                           f"{failed[0][1]}") from failed[0][1]
+    return [f.result() for f in done]
 
 
 def _fetch(url: str, folder: str) -> str:
@@ -136,6 +154,49 @@ def _fetch(url: str, folder: str) -> str:
             f.write(message)
         os.replace(failed + ".tmp", failed)
     raise DatasetError(message)
+
+
+def fetched_parquet(manifest_url: str) -> str:
+    """A Parquet dataset in object storage, named by its manifest's URL (``.../coordprep-parquet.json``,
+    as ``coordprep convert`` wrote it), fetched whole into the node's shard cache: the manifest, then
+    every shard it lists (each once per node, as a tar shard is, by :func:`fetched`). Returns a local
+    directory that :class:`~coordinated_prep.pipeline.sources.parquet.ParquetSource` reads: hard
+    links to the copies, laid out as the manifest says, named after the manifest's version (a
+    manifest replaced at its URL gets a directory of its own). Built under a temporary name and
+    renamed into place, so it exists whole or not at all; a process that finds it made by another
+    uses that one.
+
+    Raises:
+        DatasetError: The manifest or a shard could not be fetched, or the manifest is not one
+            (names the URL and the fix).
+    """
+    from coordinated_prep.pipeline.sources.manifest import MANIFEST, read_manifest
+
+    [manifest] = fetched([manifest_url])
+    folder = manifest + ".dataset"
+    if os.path.isdir(folder):
+        return folder
+    staging = tempfile.mkdtemp(dir=os.path.dirname(folder), prefix=os.path.basename(folder) + ".tmp-")
+    try:
+        os.link(manifest, os.path.join(staging, MANIFEST))
+        try:
+            entries = read_manifest(staging)["shards"]  # each file's path checked: inside the dataset
+        except DatasetError as e:
+            raise DatasetError(f"dataset {manifest_url}: {e}") from None
+        base = manifest_url.rsplit("/", 1)[0]
+        for entry, copy in zip(entries, fetched([f"{base}/{e['file']}" for e in entries])):
+            target = os.path.join(staging, entry["file"])
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.link(copy, target)
+        try:
+            os.rename(staging, folder)
+        except OSError:  # another process of the node renamed its own first: the same files
+            if not os.path.isdir(folder):
+                raise
+    finally:
+        if os.path.isdir(staging):
+            shutil.rmtree(staging)
+    return folder
 
 
 class node_lock:
