@@ -248,6 +248,17 @@ def test_shards_in_an_s3_compatible_store_read_with_credentials_from_the_environ
         fetched = {p: n - before.get(p, 0) for p, n in _gets(server).items() if p.endswith(".tar")}
         assert fetched == {f"/photos/train/shard-{k:06d}.tar": 1 for k in range(3)}, fetched
         assert source.describe(0) == "s3://photos/train/shard-000000.tar#00000000"
+
+        from coordinated_prep.convert.parquet import convert_imagefolder  # the same samples as Parquet
+
+        parquet = convert_imagefolder(shards, str(tmp_path / "parquet"), shard_size=100).out
+        for name in sorted(os.listdir(parquet)):
+            store.put_file(os.path.join(parquet, name), f"photos/parquet/{name}")
+        records = open_source.__wrapped__("s3://photos/parquet/coordprep-parquet.json")
+        assert len(records) == len(local) and all(records.read(i) == local.read(i) for i in range(len(local)))
+        fetched = {p: n - before.get(p, 0) for p, n in _gets(server).items() if "/parquet/" in p}
+        assert fetched == {"/photos/parquet/coordprep-parquet.json": 1, "/photos/parquet/part-00000.parquet": 1,
+                           "/photos/parquet/part-00001.parquet": 1}, fetched
         s3fs.S3FileSystem.clear_instance_cache()
 
 
