@@ -387,6 +387,25 @@ def test_ranks_on_one_node_start_where_it_holds_pieces_whatever_it_releases_mean
     asyncio.run(scenario())
 
 
+def test_ranks_on_one_node_whose_coordinator_dies_as_they_are_placed_are_placed_on_a_new_one(registry):
+    async def scenario() -> None:
+        first = await registry.group_for(_spec(), "reader", NODE)
+
+        async def dies(*args: Any) -> Any:  # the coordinator dies as it would register the ranks
+            first.die()
+            raise ray.exceptions.RayActorError()
+
+        first.join_ranks = _Method(dies)
+        ranks = [asyncio.ensure_future(registry.meet(_spec(), "R", "R", rank, 2, NODE, 1, this_process(None), 30.0))
+                 for rank in (0, 1)]
+        placed = [await rank for rank in ranks]
+        [replacement] = [c for c in _Coordinator.made if c is not first]
+        assert all(p["coordinator"] is replacement and p["info"] is not None for p in placed), placed
+        assert replacement.joined == ["R@0", "R@1"]
+
+    asyncio.run(scenario())
+
+
 def test_without_start_times_a_live_process_is_not_ended_and_ranks_meet(registry, monkeypatch):
     monkeypatch.setattr(watch_module, "_start_time", lambda pid: None)  # no /proc (macOS)
     here = this_process(None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 import textwrap
 import threading
@@ -127,13 +128,24 @@ def test_a_parquet_dataset_named_by_its_manifests_url_is_fetched_once_per_node_a
         assert opened[0].describe(70) == f"{server.url}/{parts[1]}#row 6", "errors name the URL"
         assert open_source.__wrapped__(url).read(100) == folder.read(100)
         assert all(n == 1 for n in _gets(server).values()), "opened again: the node's copies, nothing fetched"
+        first = os.path.join(served, parts[0])
+        os.utime(first, (os.path.getmtime(first) + 100,) * 2)  # a shard replaced at its URL: a new version
+        assert open_source.__wrapped__(url).read(0) == folder.read(0)
+        assert _gets(server)[f"/{parts[0]}"] == 2 and _gets(server)["/coordprep-parquet.json"] == 1, "never stale"
 
         manifest = os.path.join(served, "coordprep-parquet.json")
         os.utime(manifest, (os.path.getmtime(manifest) + 100,) * 2)  # rewritten at its URL: a new version
         os.rename(os.path.join(served, parts[2]), os.path.join(served, "gone.parquet"))
         with pytest.raises(DatasetError, match=rf"shard {server.url}/{parts[2]} does not exist"):
             open_source.__wrapped__(url)  # the manifest's new version lists a shard the store lacks
-        assert _gets(server)["/coordprep-parquet.json"] == 2 and _gets(server)[f"/{parts[0]}"] == 1
+        assert _gets(server)["/coordprep-parquet.json"] == 2 and _gets(server)[f"/{parts[0]}"] == 2
+        assert not [f for f in os.listdir(node_cache) if ".tmp-" in f], "a failed open leaves no half-built folder"
+        os.makedirs(os.path.join(served, "bad"))
+        with open(os.path.join(served, "bad", "coordprep-parquet.json"), "w") as f:
+            f.write("not a manifest")
+        with pytest.raises(DatasetError, match=re.escape(f"dataset '{server.url}/bad': cannot read the manifest "
+                                                         f"{server.url}/bad/coordprep-parquet.json")):
+            open_source.__wrapped__(f"{server.url}/bad/coordprep-parquet.json")  # named by its URL
 
         with pytest.raises(DatasetError, match=r"holds no \*\.tar shards; a Parquet dataset in object storage is "
                                                r"named by its manifest's URL \(http://\S+/coordprep-parquet\.json\)"):

@@ -18,8 +18,8 @@ the node, once per tick (``TICK_S``), how long its trials have been blocked on i
 trials it serves, and how long its lease clock has run (``Coordinator.demand``): a trial tells its
 coordinator how long it was blocked with its next request, so a long block arrives in one lump, and
 the rule therefore looks at a window of ticks, not at each tick alone. A trial counts only answers
-it had to wait for: reading one already at hand costs it about 0.5 ms, 0.8% of each tick of a trial
-reading 8 pieces a second, which is not waiting on the pool (``docs/benchmarks.md``, the suite's
+it had to wait for: reading one already at hand costs it about 0.5 ms, 0.8% of the time of a trial
+reading 14 pieces a second, which is not waiting on the pool (``docs/benchmarks.md``, the suite's
 section). It hands the node's figures
 to :meth:`Growth.tick`, which answers with one of:
 

@@ -95,27 +95,32 @@ class Ranks:
             by_node.setdefault(node, {})[rank] = process
         epochs = meeting.arrivals[0][2]
         start: int | None = None  # on one node: its coordinator's own join point, taken as it registers them
+        answers: list[Any] = []
         for attempt in (1, 2):  # a coordinator that died in between is replaced when asked again: once
             # one node at a time; a completion in between makes the next group_for refuse (module docstring)
             coordinators = {node: await self._member_of(spec, trial, node, [p for p in ranks.values() if p])
                             for node, ranks in by_node.items()}
-            if len(coordinators) == 1:
-                break
             try:
-                lows = await asyncio.wait_for(asyncio.gather(*(c.join_point.remote() for c in coordinators.values())),
-                                              CALL_TIMEOUT_S)
-                start = max(lows)
+                if len(coordinators) > 1:
+                    lows = await asyncio.wait_for(asyncio.gather(*(c.join_point.remote()
+                                                                   for c in coordinators.values())), CALL_TIMEOUT_S)
+                    start = max(lows)
+                else:
+                    [(node, ranks)] = by_node.items()
+                    answers = [await _answer(coordinators[node].join_ranks.remote(
+                        consumer, ranks, meeting.world, None, epochs, part_fields(spec)))]
                 break
             except ray.exceptions.RayActorError:
                 if attempt == 2:
                     raise
                 logger.warning("trial %s: a coordinator of group %s died as its ranks were placed; asking for a new one",
                                trial, spec.group_key)
-        answers = await asyncio.wait_for(
-            asyncio.gather(*(coordinators[node].join_ranks.remote(consumer, ranks, meeting.world, start, epochs,
-                                                                  part_fields(spec))
-                             for node, ranks in by_node.items()), return_exceptions=True),
-            CALL_TIMEOUT_S)  # past it, ranks registered on a node are released by its watch when they fail
+        if start is not None:
+            answers = await asyncio.wait_for(
+                asyncio.gather(*(coordinators[node].join_ranks.remote(consumer, ranks, meeting.world, start, epochs,
+                                                                      part_fields(spec))
+                                 for node, ranks in by_node.items()), return_exceptions=True),
+                CALL_TIMEOUT_S)  # past it, ranks registered on a node are released by its watch when they fail
         failed = [a for a in answers if isinstance(a, BaseException)]
         if trial in self._done and not failed:  # completed while placed: trial_done's leave came before these
             failed = [PrepError(f"trial {trial}: Tune reported it complete while its {meeting.world} ranks were "
@@ -138,6 +143,17 @@ class Ranks:
         logger.info("trial %s: %d ranks on %d node(s) start at piece %d of group %s", trial, meeting.world,
                     len(by_node), start, spec.group_key)
         return placed
+
+
+async def _answer(call: Any) -> Any:
+    """A coordinator's answer within ``CALL_TIMEOUT_S``, or the error it raised, as ``gather`` with
+    ``return_exceptions`` gives it; except a dead coordinator's, raised (the placement asks for a new one)."""
+    try:
+        return await asyncio.wait_for(call, CALL_TIMEOUT_S)
+    except ray.exceptions.RayActorError:
+        raise
+    except Exception as e:  # a coordinator shut down, or one that did not answer in time
+        return e
 
 
 class _Rendezvous:

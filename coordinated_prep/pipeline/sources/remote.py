@@ -22,6 +22,7 @@ place: a copy either exists whole or not at all. A holder that gives up leaves i
 from __future__ import annotations
 
 import fcntl
+import glob
 import hashlib
 import logging
 import os
@@ -159,44 +160,60 @@ def _fetch(url: str, folder: str) -> str:
 def fetched_parquet(manifest_url: str) -> str:
     """A Parquet dataset in object storage, named by its manifest's URL (``.../coordprep-parquet.json``,
     as ``coordprep convert`` wrote it), fetched whole into the node's shard cache: the manifest, then
-    every shard it lists (each once per node, as a tar shard is, by :func:`fetched`). Returns a local
-    directory that :class:`~coordinated_prep.pipeline.sources.parquet.ParquetSource` reads: hard
-    links to the copies, laid out as the manifest says, named after the manifest's version (a
-    manifest replaced at its URL gets a directory of its own). Built under a temporary name and
-    renamed into place, so it exists whole or not at all; a process that finds it made by another
-    uses that one.
+    every shard it lists, each once per node and looked up by every opener, as a tar shard is
+    (:func:`fetched`: a file replaced at its URL is fetched again). Returns a local directory that
+    :class:`~coordinated_prep.pipeline.sources.parquet.ParquetSource` reads: hard links to the copies,
+    laid out as the manifest says, named after the copies (so after every file's version). Built
+    under a temporary name and renamed into place, so it exists whole or not at all; a process that
+    finds it made by another uses that one. What a killed builder left is removed by the next one
+    after :data:`LOCK_WAIT_S`.
 
     Raises:
-        DatasetError: The manifest or a shard could not be fetched, or the manifest is not one
-            (names the URL and the fix).
+        DatasetError: The manifest or a shard could not be fetched, the manifest is not one, or the
+            node's cache cannot hold hard links (names the URL and the fix).
     """
     from coordinated_prep.pipeline.sources.manifest import MANIFEST, read_manifest
 
-    [manifest] = fetched([manifest_url])
-    folder = manifest + ".dataset"
-    if os.path.isdir(folder):
-        return folder
-    staging = tempfile.mkdtemp(dir=os.path.dirname(folder), prefix=os.path.basename(folder) + ".tmp-")
+    base = manifest_url.rsplit("/", 1)[0]
     try:
-        os.link(manifest, os.path.join(staging, MANIFEST))
+        [manifest] = fetched([manifest_url])
+    except DatasetError as e:
+        raise DatasetError(f"dataset {manifest_url}: its manifest (what `coordprep convert` writes beside the "
+                           f"shards) could not be read: {e}") from None
+    cache = os.path.dirname(manifest)
+    prefix = "parquet-" + hashlib.sha256(manifest_url.encode()).hexdigest()[:16]
+    for left in glob.glob(os.path.join(cache, prefix + ".tmp-*")):  # a builder killed midway (never a live one)
+        if time.time() - os.path.getmtime(left) > LOCK_WAIT_S:
+            shutil.rmtree(left, ignore_errors=True)
+    staging = tempfile.mkdtemp(dir=cache, prefix=prefix + ".tmp-")
+    try:
         try:
-            entries = read_manifest(staging)["shards"]  # each file's path checked: inside the dataset
-        except DatasetError as e:
-            raise DatasetError(f"dataset {manifest_url}: {e}") from None
-        base = manifest_url.rsplit("/", 1)[0]
-        for entry, copy in zip(entries, fetched([f"{base}/{e['file']}" for e in entries])):
-            target = os.path.join(staging, entry["file"])
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            os.link(copy, target)
+            os.link(manifest, os.path.join(staging, MANIFEST))
+            try:
+                entries = read_manifest(staging)["shards"]  # each file's path checked: inside the dataset
+            except DatasetError as e:
+                raise DatasetError(str(e).replace(staging, base)) from None
+            copies = fetched([f"{base}/{entry['file']}" for entry in entries])
+            name = hashlib.sha256("\0".join([manifest, *copies]).encode()).hexdigest()[:16]
+            folder = os.path.join(cache, f"{prefix}-{name}")
+            if os.path.isdir(folder):
+                return folder
+            for entry, copy in zip(entries, copies):
+                target = os.path.join(staging, entry["file"])
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                os.link(copy, target)
+        except OSError as e:  # a filesystem without hard links (the copies stay in the cache)
+            raise DatasetError(f"dataset {manifest_url}: cannot lay out the node's copies in {cache} ({e}); put "
+                               "$COORDPREP_CACHE on a local disk that supports hard links") from e
         try:
             os.rename(staging, folder)
         except OSError:  # another process of the node renamed its own first: the same files
             if not os.path.isdir(folder):
                 raise
+        return folder
     finally:
         if os.path.isdir(staging):
             shutil.rmtree(staging)
-    return folder
 
 
 class node_lock:
