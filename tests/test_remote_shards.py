@@ -44,26 +44,33 @@ def _gets(server: Server) -> dict[str, int]:
     return {path: n for (method, path), n in server.requests().items() if method == "GET"}
 
 
+def _opened_at_once(url: str, n: int) -> list:
+    """``url`` opened by ``n`` threads at once (each holds its own lock file descriptions, as the
+    processes of a node do); fails the test if any raised or did not finish."""
+    opened: list = [None] * n
+    errors: list = []
+
+    def open_one(k: int) -> None:
+        try:
+            opened[k] = open_source.__wrapped__(url)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=open_one, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and all(s is not None for s in opened), errors
+    return opened
+
+
 def test_shards_over_http_are_fetched_once_per_node_and_read_byte_for_byte(small_dataset, shards, node_cache,
                                                                            tmp_path):
     folder = open_source.__wrapped__(small_dataset)
     with Server("http", str(tmp_path / "http.log"), shards) as server:
         url = f"{server.url}/shard-{{000000..000002}}.tar"
-        opened: list = [None] * 4
-        errors: list = []
-
-        def open_one(k: int) -> None:  # four openers at once: each holds its own lock file descriptions
-            try:
-                opened[k] = open_source.__wrapped__(url)
-            except Exception as e:  # surfaced below
-                errors.append(e)
-
-        threads = [threading.Thread(target=open_one, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert not errors and all(s is not None for s in opened), errors
+        opened = _opened_at_once(url, 4)
         assert _gets(server) == {f"/shard-{k:06d}.tar": 1 for k in range(3)}, "one GET per shard for the node"
         for source in opened:
             assert len(source) == len(folder) and all(source.read(i) == folder.read(i) for i in (0, 63, 64, 179))
@@ -106,21 +113,7 @@ def test_a_parquet_dataset_named_by_its_manifests_url_is_fetched_once_per_node_a
     assert len(parts) == 3
     with Server("http", str(tmp_path / "http.log"), served) as server:
         url = f"{server.url}/coordprep-parquet.json"
-        opened: list = [None] * 4
-        errors: list = []
-
-        def open_one(k: int) -> None:  # four openers of the node at once
-            try:
-                opened[k] = open_source.__wrapped__(url)
-            except Exception as e:  # surfaced below
-                errors.append(e)
-
-        threads = [threading.Thread(target=open_one, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert not errors and all(s is not None for s in opened), errors
+        opened = _opened_at_once(url, 4)
         assert _gets(server) == {"/coordprep-parquet.json": 1, **{f"/{p}": 1 for p in parts}}, "one GET per file"
         for source in opened:
             assert len(source) == len(folder) and all(source.read(i) == folder.read(i) for i in (0, 63, 64, 179))
