@@ -19,20 +19,25 @@ EPOCHS = 2
 
 
 def echo_trial(config: dict) -> None:
-    """Reads ``EPOCHS`` epochs with ``config["echo"]``; the ``late`` trial joins once ``opener`` is mid-epoch."""
+    """Reads ``EPOCHS`` epochs with ``config["echo"]``; the ``late`` trial joins once every other trial
+    has read 3 batches, and they go on once it has joined: it joins mid-epoch whatever the timing."""
     trial = tune.get_context().get_trial_id()
     config = {**config, **config["trial"]}  # role, echo and batch size, grid-searched together
     gate = ray.get_actor("echo-mid-epoch", namespace="coordinated_prep")
-    if config["role"] == "late":
-        ray.get(gate.wait_open.remote(120), timeout=150)
+    late = config["role"] == "late"
+    if late:
+        ray.get(gate.wait_arrivals.remote(config["others"], 120), timeout=150)
     loader = train_loader(config, batch_size=config["batch_size"], epochs=EPOCHS, echo=config["echo"])
+    if late:  # joined: its start is fixed
+        ray.get(gate.open.remote(), timeout=60)
     for epoch in range(EPOCHS):
         rows = []
         for step, b in enumerate(loader):
             rows.append((b.indices.numpy(), b.repeats.numpy(), b.stream_epochs.numpy(),
                          sample_digests(b.images.numpy())))
-            if config["role"] == "opener" and epoch == 0 and step == 2:
-                ray.get(gate.open.remote(), timeout=60)
+            if not late and epoch == 0 and step == 2:
+                ray.get(gate.arrive.remote(trial), timeout=60)
+                ray.get(gate.wait_open.remote(120), timeout=150)
         os.makedirs(os.path.join(config["out"], trial), exist_ok=True)
         np.savez(os.path.join(config["out"], trial, f"epoch{epoch}.npz"),
                  **{k: np.concatenate([r[i] for r in rows]) for i, k in
@@ -72,7 +77,7 @@ def _mixed_echo_sweep(spec: DataSpec, batch_sizes: list[int], tmp_path, pool: Po
               ("early", "auto:3", small), ("late", "example:3", small)]  # the late one joins mid-epoch
     searcher = CoordinatedSearcher(max_concurrent=len(trials), pool=pool)
     analysis = tune.run(tune.with_resources(echo_trial, {"cpu": 0.125}), search_alg=searcher, verbose=0,
-                        config={"data": spec, "out": str(tmp_path),
+                        config={"data": spec, "out": str(tmp_path), "others": len(trials) - 1,
                                 "trial": tune.grid_search([{"role": r, "echo": e, "batch_size": b}
                                                            for r, e, b in trials])})
     reports = searcher.group_reports()
