@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from typing import Any
 
 import ray
@@ -34,6 +35,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from coordinated_prep.cache.layout import CacheLayout
 from coordinated_prep.cache.spec import CacheSpec
 from coordinated_prep.errors import PrepError
+from coordinated_prep.naming import NAMESPACE
 from coordinated_prep.pool.elastic import SHARE_TIMEOUT_S, Growth
 from coordinated_prep.pool.spec import PoolSpec
 from coordinated_prep.pool.prep_actor import PrepActor
@@ -81,10 +83,14 @@ class NodePool:
         self.decoded_bytes = spec.decoded_for(store_bytes)
         affinity = self._affinity = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
         self.tier: Any = None
+        tier = None  # what the prep actors are handed: the tier's name (a handle in an actor's constructor
+        # arguments makes Ray keep them in the object store for its restarts, and log an error saying so)
         if self.decoded_bytes > 0:
-            self.tier = DecodedTier.options(scheduling_strategy=affinity).remote(self.decoded_bytes, node,
-                                                                                 CLAIM_TIMEOUT_S)
-        tier = self._handed = (self.tier, CLAIM_TIMEOUT_S) if self.tier is not None else None
+            name = f"coordprep-tier-{node[:12]}-{uuid.uuid4().hex[:12]}"
+            self.tier = DecodedTier.options(name=name, namespace=NAMESPACE, scheduling_strategy=affinity).remote(
+                self.decoded_bytes, node, CLAIM_TIMEOUT_S)
+            tier = (name, CLAIM_TIMEOUT_S)
+        self._handed = tier
         self._cache = cache
         self.starting: Any = None  # an actor or a share asked for by the growth, until it is added or given up
         self.given_up_why = ""  # why the last one asked for was given up

@@ -46,11 +46,11 @@ class PrepActor:
 
     Args:
         cache: The sweep's cache layout and options, if it has node caches: reads go through them.
-        tier: The node's decoded tier and its claim timeout, if it has one: prefix outputs go
-            through it (:mod:`coordinated_prep.tier`).
+        tier: The name of the node's decoded tier and its claim timeout, if it has one: prefix
+            outputs go through it (:mod:`coordinated_prep.tier`).
     """
 
-    def __init__(self, cache: tuple[CacheLayout, CacheSpec] | None = None, tier: tuple[Any, float] | None = None) -> None:
+    def __init__(self, cache: tuple[CacheLayout, CacheSpec] | None = None, tier: tuple[str, float] | None = None) -> None:
         # Placed, the actor holds its CPUs: it answers at once, so that the pool's start (which Tune's
         # first trial waits for) does not wait for torch. It imports torch meanwhile, on a thread of
         # its own, while the trials start; its first task waits for that (imported).
@@ -60,7 +60,7 @@ class PrepActor:
         self._buffer = ReusedBuffer()
         self.reset(cache, tier)
 
-    def reset(self, cache: tuple[CacheLayout, CacheSpec] | None = None, tier: tuple[Any, float] | None = None) -> None:
+    def reset(self, cache: tuple[CacheLayout, CacheSpec] | None = None, tier: tuple[str, float] | None = None) -> None:
         """Serve a new sweep (a pool kept warm, :mod:`coordinated_prep.pool.warm`): its cache and tier,
         and no pipeline, spec, opened dataset or folder index of the last one (a dataset may have
         changed since, and the last sweep's objects must leave the store)."""
@@ -71,7 +71,7 @@ class PrepActor:
         datasets._built.cache_clear()
         shared_index.forget()
         self._cache = cache
-        self._tier = TierClient(tier[0], ray.get_runtime_context().get_actor_id(), tier[1]) if tier else None
+        self._tier = TierClient.named(tier[0], ray.get_runtime_context().get_actor_id(), tier[1]) if tier else None
         self._pipelines: dict[str, Pipeline] = {}
         self._specs: dict[str, DataSpec] = {}
         self._sources: dict[str, tuple[Any, CachedSource | None]] = {}
@@ -216,3 +216,4 @@ class ReusedBuffer:
         if self._buffer is None or self._buffer.nbytes != nbytes:
             self._buffer = padded_empty((nbytes,))
         return self._buffer
+

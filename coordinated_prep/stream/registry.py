@@ -239,6 +239,11 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports, PoolGrowth):
         await self._split(group.node)
 
 
+    async def until_killed(self) -> None:
+        """Answers never: a call of it pending in the driver fails when this actor's process is gone,
+        which is how the driver waits for a kill to land (:func:`coordinated_prep.tune.starting.destroy`)."""
+        await asyncio.Event().wait()
+
     async def shutdown(self) -> None:
         """Destroy every group, then the prep pools and the node caches."""
         if self._closing is not None:

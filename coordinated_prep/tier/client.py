@@ -20,6 +20,7 @@ from typing import Any, Callable, Hashable
 import ray
 
 from coordinated_prep.errors import SampleError
+from coordinated_prep.naming import NAMESPACE
 from coordinated_prep.pipeline.split import packed_bytes
 from coordinated_prep.tier.book import MINE, SELF, WAIT, Hit
 
@@ -34,7 +35,7 @@ class TierClient:
     """Gets prefix outputs for a prep actor's pieces through the node's decoded tier.
 
     Args:
-        tier: The node's :class:`~coordinated_prep.tier.actor.DecodedTier` handle.
+        tier: The node's :class:`~coordinated_prep.tier.actor.DecodedTier` handle (see :meth:`named`).
         who: This prep actor's identity (its actor id: the same after a restart).
         claim_timeout_s: The tier's claim timeout (a wait lasts at most this long).
     """
@@ -45,6 +46,17 @@ class TierClient:
         self.claim_timeout_s = claim_timeout_s
         self.broken: str | None = None
         self._objects: collections.OrderedDict[int, list[Any]] = collections.OrderedDict()
+
+    @classmethod
+    def named(cls, name: str, who: Hashable, claim_timeout_s: float) -> "TierClient":
+        """A client of the tier actor called ``name``; one that decodes everything itself (and says
+        so) if that actor is gone already."""
+        client = cls(None, who, claim_timeout_s)
+        try:
+            client.tier = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError as e:
+            client._broke(e)
+        return client
 
     def outputs(self, prefix: str, ids: list[int], produce: Callable[[list[int]], list[Any]]) -> tuple[list[Any], int, int]:
         """Per index of ``ids``, its prefix output (or the SampleError making it raised); and how many

@@ -121,11 +121,14 @@ def destroy(registry: Any) -> None:
         ray.get(registry.shutdown.remote(), timeout=CALL_TIMEOUT_S)
     except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
         logger.warning("coordinated_prep: a registry did not shut down cleanly: %s", e)
+    # A call made after the kill may still be answered (the kill reaches the process later); one
+    # pending since before it fails only once the process is gone and Ray has released its name.
+    gone = registry.until_killed.remote()
     ray.kill(registry)
     try:
-        ray.get(registry.__ray_ready__.remote(), timeout=CALL_TIMEOUT_S)
+        ray.get(gone, timeout=CALL_TIMEOUT_S)
     except ray.exceptions.RayActorError:
-        return  # dead, its name released
+        return
     except ray.exceptions.GetTimeoutError:
         pass
-    logger.warning("coordinated_prep: the registry still answered after it was killed")
+    logger.warning("coordinated_prep: a killed registry was still alive after %.0f s", CALL_TIMEOUT_S)
