@@ -34,7 +34,7 @@ def test_a_tiny_bench_runs_every_loader_and_format_and_writes_csv_and_png(ray_se
         steps: [simulated, cnn]
         simulated_step_ms: 1
         cnn_trials: [1]
-        cnn_loaders: [dali, coordinated-torchvision]
+        cnn_loaders: [dali]   # a coordinated bench trial cut at max_batches: tests/test_analyze.py
         cnn_batches: 2
         cnn_width: 4
         record_trials: [2]
@@ -67,7 +67,7 @@ def test_a_tiny_bench_runs_every_loader_and_format_and_writes_csv_and_png(ray_se
     rows = [r for r in rows if r["step"] not in ("decode", "launch")]
     files = [r for r in rows if r["step"] != "read" and r["format"] == "files"]
     assert [(r["step"], r["trials"]) for r in files[::4]] == [("simulated", "2"), ("cnn", "1")]
-    assert [r["loader"] for r in files if r["step"] == "cnn"] == ["dali", "coordinated-torchvision"]
+    assert [r["loader"] for r in files if r["step"] == "cnn"] == ["dali"]
     records = [(r["step"], r["loader"], r["trials"]) for r in rows if r["step"] != "read" and r["format"] == "parquet"]
     assert records == [("simulated", "coordinated-torchvision", "2")]
     for r in rows:
@@ -91,7 +91,8 @@ def test_a_tiny_bench_runs_every_loader_and_format_and_writes_csv_and_png(ray_se
             assert 0 < float(shares[0]) and sum(map(float, shares)) <= 1.05, r
         if r["loader"].startswith("coordinated"):  # batches of 16 inside pieces of 32: all views
             assert float(r["copied_fraction"]) == 0.0 and float(r["vs_prep_bound"]) > 0, r
-    assert float(files[0]["vs_best_independent"]) > 0 and float(rows[-1]["vs_best_independent"]) > 0
+    # every row is compared with the best independent loader at its N (the CNN's DALI row with itself)
+    assert all(float(r["vs_best_independent"]) > 0 for r in rows if r["step"] != "read")
     png = (tmp_path / "runs" / "tiny" / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert live_coordprep_actors() == []
@@ -201,7 +202,8 @@ def test_the_sampler_shares_cpu_by_role_between_the_snapshots_inside_a_window():
     shares = sampler.shares(stamps[1], stamps[4], cores=2)  # snapshots 2..5: 30 and 15 ticks
     seconds = (stamps[4] - stamps[1]) * 2
     ticks = os.sysconf("SC_CLK_TCK")
-    assert shares["prep"] == pytest.approx(30 / ticks / seconds) and shares["trials"] == pytest.approx(15 / ticks / seconds)
+    assert shares["prep"] == pytest.approx(30 / ticks / seconds)
+    assert shares["trials"] == pytest.approx(15 / ticks / seconds)
     assert shares["coordinators"] == shares["other"] == 0
     assert sampler.shares(stamps[-1] + 10, stamps[-1] + 20, cores=2) is None  # no snapshots there
 

@@ -1,4 +1,5 @@
-"""Starting node caches with Ray: an impossible capacity stops the sweep at start; a killed cache's memory is reclaimed."""
+"""Starting node caches with Ray: an impossible capacity stops the sweep at start; a killed cache's memory is
+reclaimed."""
 
 from __future__ import annotations
 
@@ -58,11 +59,11 @@ def _no_data(config: dict) -> None:
 def test_a_sweep_whose_cache_cannot_start_fails_at_start_instead_of_reading_storage(ray_session, small_dataset,
                                                                                     tmp_path, monkeypatch, kept,
                                                                                     trainable):
-    """With a pool kept warm (``kept``), Tune's trials start while the registry does: the failed start
-    still ends the sweep with its reason, even when every trial ended first, and leaves no actor (the
-    kept ones are not kept again)."""
+    """With a pool kept warm (``kept``), Tune's trial starts while the registry does: the failed start
+    still ends the sweep with its reason, even when the trial ended first, and leaves no actor (the
+    kept one is not kept again). One prep actor and one trial: that is all the early start needs."""
     spec = DataSpec(dataset=small_dataset, pipeline={"size": 24}, seed=1, chunk_size=8)
-    pool = PoolSpec(keep_warm=kept)
+    pool = PoolSpec(actors=1, keep_warm=kept)
     if kept:  # a pool the driver's last sweep kept, of this sweep's shape, its imports done
         lent = warm.lend(pool)
         ray.get([actor.imported.remote() for actors in lent.values() for actor in actors], timeout=300)
@@ -75,14 +76,14 @@ def test_a_sweep_whose_cache_cannot_start_fails_at_start_instead_of_reading_stor
     with FileOpens(small_dataset) as opens, pytest.raises(Exception) as info:
         tune.run(tune.with_resources(trainable, {"cpu": 0.25}),
                  config={"data": spec, "batch_size": 10, "epochs": 1, "out": str(tmp_path)},
-                 search_alg=searcher, num_samples=2, verbose=0, raise_on_failed_trial=False)
+                 search_alg=searcher, num_samples=1, verbose=0, raise_on_failed_trial=False)
     searcher.close()
     error = str(info.value)
     assert "cannot be reserved on node" in error and "lower cache.capacity_bytes" in error, error
     assert sum(opens.counts.values()) == 0  # no sample was read from storage
     assert live_coordprep_actors() == [] and warm.kept() == {}
     if kept:
-        assert decided == [True], "on a kept pool, Tune's trials started while the registry did"
+        assert decided == [True], "on a kept pool, Tune's trial started while the registry did"
     else:
         assert True not in decided, "a pool of the registry's own is waited for"
 

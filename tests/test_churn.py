@@ -61,7 +61,8 @@ def joiner(config: dict) -> None:
         _save(config["out"], trial, epoch, list(loader), loader)
 
 
-def test_a_joiner_past_the_head_finishes_when_the_trials_before_it_leave(ray_session, small_dataset, tmp_path, warm_pool):
+def test_a_joiner_past_the_head_finishes_when_the_trials_before_it_leave(ray_session, small_dataset, tmp_path,
+                                                                         warm_pool):
     baseline = plasma_objects()
     spec = _spec(small_dataset, segments=2, fetch_timeout_s=60)  # a stranded joiner would fail after 60 s
     gates = [Gate.options(name=n, namespace="coordinated_prep").remote() for n in ("mid-epoch", "joined")]
@@ -83,11 +84,11 @@ def test_a_joiner_past_the_head_finishes_when_the_trials_before_it_leave(ray_ses
 def test_a_lone_trial_evaluating_longer_than_the_lease_is_not_detached(ray_session, small_dataset, tmp_path, warm_pool):
     baseline = plasma_objects()
     # The budget holds two pieces, so the lone trial's prefetched pieces fill it while it evaluates
-    # for far longer than the lease; nobody waits for a piece then, so nobody is detached.
+    # for three times the lease; nobody waits for a piece then, so nobody is detached.
     spec = _spec(small_dataset, staging_bytes=2 * PIECE, lease_s=0.3)
     searcher = CoordinatedSearcher(pool=warm_pool)
     analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0,
-                        config={"data": spec, "batch_size": 8, "epochs": tune.grid_search([1, 3]), "eval_s": 1.5,
+                        config={"data": spec, "batch_size": 8, "epochs": tune.grid_search([1, 3]), "eval_s": 0.9,
                                 "out": str(tmp_path)})
     [report] = searcher.group_reports().values()
     searcher.close()
@@ -123,13 +124,13 @@ def test_several_loaders_in_one_trial_each_get_exact_epochs(ray_session, small_d
     spec, other = _spec(small_dataset), _spec(small_dataset, pipeline={"size": 24})
     searcher = CoordinatedSearcher(pool=warm_pool)
     analysis = tune.run(tune.with_resources(two_loaders, {"cpu": 0.25}), search_alg=searcher, verbose=0,
-                        config={"data": spec, "other": other, "out": str(tmp_path), "n": tune.grid_search([1, 2])})
+                        config={"data": spec, "other": other, "out": str(tmp_path)})
     reports = searcher.group_reports()
     searcher.close()
     assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
-    assert reports[spec.group_key]["trials_joined"] == 4 and reports[other.group_key]["trials_joined"] == 2
+    assert reports[spec.group_key]["trials_joined"] == 2 and reports[other.group_key]["trials_joined"] == 1
     records = load_records(str(tmp_path))
-    assert len(records) == 6
+    assert len(records) == 3
     for name, epochs in records.items():
         which = name.rsplit("-", 1)[1]
         check_trial_records(other if which == "c" else spec, epochs, 12 if which == "b" else 8, name)
@@ -156,10 +157,10 @@ def test_a_new_iter_ends_the_live_one_and_reads_the_next_epoch_whole(small_datas
         iter(loader)
 
 
-def test_a_sweep_over_four_crop_sizes_costs_one_groups_processes_and_budget(ray_session, small_dataset, tmp_path,
-                                                                          warm_pool):
+def test_a_sweep_over_three_crop_sizes_costs_one_groups_processes_and_budget(ray_session, small_dataset, tmp_path,
+                                                                           warm_pool):
     baseline = plasma_objects()
-    specs = [_spec(small_dataset, pipeline={"size": s}) for s in (24, 28, 32, 40)]
+    specs = [_spec(small_dataset, pipeline={"size": s}) for s in (24, 32, 40)]
     node_budget = 6 * 8 * 3 * 40 * 40  # six of the largest pieces, for the whole node
     searcher = CoordinatedSearcher(pool=PoolSpec(actors=2, staging_bytes=node_budget, keep_warm=True))
     analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0,
@@ -173,11 +174,11 @@ def test_a_sweep_over_four_crop_sizes_costs_one_groups_processes_and_budget(ray_
     by_trial = {t.trial_id: t.config["data"] for t in analysis.trials}
     for trial, epochs in records.items():
         check_trial_records(by_trial[trial], epochs, 8, trial)
-    assert max(int(e["prep_processes"]) for eps in records.values() for e in eps) == 2, "one pool for 4 groups"
+    assert max(int(e["prep_processes"]) for eps in records.values() for e in eps) == 2, "one pool for 3 groups"
     # Each group's share of the node's one budget, and what it held: at most its share and one piece in
     # flight. (Shares are split again as groups come and go, so the groups' peaks, at different times,
-    # may add up past the node's budget: CI measured 367,744 bytes against 230,400 once. The sum is not
-    # an invariant; see the design notes on staging.)
+    # may add up past the node's budget: CI measured 367,744 bytes against 230,400 once, with four crop
+    # sizes. The sum is not an invariant; see the design notes on staging.)
     assert all(r["budget_bytes"] <= node_budget for r in reports.values())
     assert all(r["peak_staged_bytes"] <= node_budget + specs[-1].chunk_bytes for r in reports.values()), reports
     assert live_coordprep_actors() == [] and plasma_objects_settled(baseline) <= baseline
@@ -192,7 +193,9 @@ def test_a_sweep_interrupted_mid_way_resumes_with_tuner_restore(ray_session, sma
     run = tune.RunConfig(name="interrupted", storage_path=str(tmp_path / "results"), verbose=0,
                          callbacks=[Interrupt(after=3, marker=str(tmp_path / "interrupted"))])
     tuner = tune.Tuner(tune.with_resources(record, {"cpu": 0.25}), param_space=param_space,
-                       tune_config=tune.TuneConfig(search_alg=searcher, metric="score", mode="max"), run_config=run)
+                       tune_config=tune.TuneConfig(search_alg=searcher, metric="score", mode="max",
+                                                   reuse_actors=True),  # a finished trial's process runs the next
+                       run_config=run)
     try:
         interrupted = tuner.fit()
         assert len(interrupted) < 4 or any(r.metrics.get("epoch", 0) < 3 for r in interrupted), "not interrupted"
@@ -264,7 +267,8 @@ def straggler(config: dict) -> None:
     _save(config["out"], trial, 0, batches, loader)
 
 
-def test_a_straggler_that_cuts_its_epochs_short_is_detached_within_the_lease(ray_session, small_dataset, tmp_path, warm_pool):
+def test_a_straggler_that_cuts_its_epochs_short_is_detached_within_the_lease(ray_session, small_dataset, tmp_path,
+                                                                             warm_pool):
     baseline = plasma_objects()
     # fetch_timeout_s is far below the straggler's stall: fast finishes only if the lease (1 s)
     # detaches the straggler; a straggler the lease spared would fail fast's fetch after 60 s.

@@ -40,24 +40,24 @@ def test_a_tiny_sweep_prints_and_writes_its_summary(ray_session, small_dataset, 
         data: {{dataset: {small_dataset}, pipeline: {{size: 24}}, chunk_size: 8}}
         pool: {{actors: 2, keep_warm: true}}
         search_space: {{lr: {{loguniform: [0.01, 0.1]}}, batch_size: {{choice: [8, 16]}}, width: 4, epochs: 2}}
-        num_samples: 3
-        max_concurrent_trials: 3
+        num_samples: 2
+        max_concurrent_trials: 2
         resources_per_trial: {{cpu: 0.25}}
     """))
     assert main(["sweep", str(path), "--verbose", "0"]) == 0
     out = capsys.readouterr().out
     assert "Best trial:" in out and "prepared" in out and "served" in out
     summary = json.loads((tmp_path / "runs" / "tiny" / "summary.json").read_text())
-    assert len(summary["trials"]) == 3 and summary["best_trial"]["accuracy"] is not None
+    assert len(summary["trials"]) == 2 and summary["best_trial"]["accuracy"] is not None
     [group] = summary["groups"].values()
-    assert group["samples_served"] == 3 * 2 * group["samples_per_epoch"], "the trials declared their 2 epochs"
-    assert group["samples_prepared"] <= 3 * 2 * group["samples_per_epoch"]
+    assert group["samples_served"] == 2 * 2 * group["samples_per_epoch"], "the trials declared their 2 epochs"
+    assert group["samples_prepared"] <= 2 * 2 * group["samples_per_epoch"]
     assert all(group[stage] > 0 for stage in ("fetch_s", "transform_s", "put_s")), group
     assert all(0 <= t["stall_fraction"] <= 1 for t in summary["trials"])
     assert "put s" in out and "stall" in out
     # The progress line beside Tune's table: each group's sharing factor and stall (at least the final one).
     [line] = [l for l in out.splitlines() if l.startswith("coordprep ") and "sharing" in l][-1:]
-    assert f"group {next(iter(summary['groups']))}: sharing " in line and "(3 trials reported)" in line
+    assert f"group {next(iter(summary['groups']))}: sharing " in line and "(2 trials reported)" in line
     assert group["samples_prepared"] >= group["samples_per_epoch"] and group["coordinators"] >= 1
     assert all(t["stall_fraction"] is not None for t in summary["trials"])
     [pool] = summary["pools"].values()  # a fixed pool (pool.actors: 2), said so in the summary

@@ -269,12 +269,13 @@ def _train_alone(config: dict) -> None:
     record_rank(config)
 
 
+@pytest.mark.usefixtures("warm_pool")  # the pool the sharing test above kept: same shape
 def test_ray_train_alone_shards_the_epoch_with_a_prep_service(ray_session, small_dataset, tmp_path):
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     spec = _spec(small_dataset)
-    with PrepService(pool=PoolSpec(actors=1, cpus=0.5)) as service:
+    with PrepService(pool=PoolSpec(actors=1, cpus=0.5, keep_warm=True)) as service:
         TorchTrainer(_train_alone, train_loop_config={"data": spec, "batch_size": 8, "epochs": 2, "out": str(tmp_path)},
                      scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.2}),
                      run_config=RunConfig(name="alone", storage_path=str(tmp_path / "train-storage"))).fit()

@@ -169,7 +169,7 @@ from tests.harness import batch_digests
 from tests.test_datasets import AUGMENT, Holding, images
 
 if __name__ == "__main__":
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address=sys.argv[1], log_to_driver=False)  # a driver of the suite's Ray: no instance to start
     ray.shutdown()
     assert _grpc_threads() > 0, "ray.shutdown() left no gRPC threads: this check tests nothing"
     spec = DataSpec(dataset=images(), transform=AUGMENT, coordinated=False, holdout=0.0, chunk_size=16)
@@ -208,8 +208,7 @@ class Holding:
         return self.pick(self.inner[i])
 
 
-@pytest.mark.sweep  # starts Ray in a subprocess
-def test_workers_start_from_a_forkserver_where_ray_left_grpc_threads(tmp_path):
+def test_workers_start_from_a_forkserver_where_ray_left_grpc_threads(ray_session, tmp_path):
     """A process that has run Ray keeps gRPC's threads after ``ray.shutdown()``; workers forked beside
     them may crash, so they start from a forkserver, and their pieces are those of the reading thread."""
     import subprocess
@@ -219,7 +218,8 @@ def test_workers_start_from_a_forkserver_where_ray_left_grpc_threads(tmp_path):
 
     script = tmp_path / "after_ray.py"
     script.write_text(_AFTER_RAY)
-    done = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=300,
+    address = ray_session.get_runtime_context().gcs_address  # the subprocess connects to it, then leaves
+    done = subprocess.run([sys.executable, str(script), address], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "PYTHONPATH": REPO})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "context forkserver" in done.stdout, done.stdout

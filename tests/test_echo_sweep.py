@@ -108,7 +108,7 @@ def _mixed_echo_sweep(spec: DataSpec, batch_sizes: list[int], tmp_path, pool: Po
 
 
 @pytest.mark.usefixtures("warm_pool")  # its variants' sweeps run on one kept pool
-def test_the_echo_experiment_runs_a_tiny_configuration_end_to_end(ray_session, tmp_path):
+def test_the_echo_experiment_runs_a_tiny_configuration_end_to_end(ray_session, small_dataset, tmp_path):
     from coordinated_prep.bench.echo import format_echo, load_echo, run_echo
 
     path = tmp_path / "echo.yaml"
@@ -117,7 +117,7 @@ sweep:
   name: tiny-echo
   storage_path: {tmp_path}/runs
   trainable: small_cnn
-  data: {{dataset: builtin:shapes, pipeline: {{size: 16}}, seed: 1}}
+  data: {{dataset: {small_dataset}, pipeline: {{size: 16}}, seed: 1}}
   search_space: {{lr: 0.05, batch_size: 32, width: 4, epochs: 1, model_seed: 0}}
   num_samples: 1
   resources_per_trial: {{cpu: 0.25}}

@@ -38,7 +38,8 @@ def _run(config: dict, tmp_path, pool: PoolSpec | None = None, loaders: dict | N
     return analysis, reports
 
 
-def test_a_straggler_is_detached_after_the_lease_and_keeps_exact_epochs(ray_session, small_dataset, tmp_path, warm_pool):
+def test_a_straggler_is_detached_after_the_lease_and_keeps_exact_epochs(ray_session, small_dataset, tmp_path,
+                                                                        warm_pool):
     baseline = plasma_objects()
     # The budget holds two pieces. The slow trial starts first, so the fast one runs beside it and
     # fills the budget within a few batches; from then on production stays blocked for the whole of
@@ -88,7 +89,8 @@ def test_a_killed_coordinator_fails_its_trials_clearly_and_their_retries_join_a_
     # registry sees the coordinator is dead and starts a new one, and the retries finish.
     analysis, reports = _run({"data": spec, "batch_size": 8, "epochs": 2, "delay_s": 0.3,
                               "delay_until": "kill_coordinator-done",  # the retries run at full speed
-                              "fault": tune.grid_search([None, "kill_coordinator"])}, tmp_path, warm_pool, max_failures=1)
+                              "fault": tune.grid_search([None, "kill_coordinator"])}, tmp_path, warm_pool,
+                             max_failures=1)
     assert (tmp_path / "kill_coordinator-done").exists(), "the fault was injected"
     assert [t.status for t in analysis.trials] == ["TERMINATED", "TERMINATED"], [t.error_file for t in analysis.trials]
     assert all(t.num_failures == 1 for t in analysis.trials), [t.num_failures for t in analysis.trials]
@@ -132,7 +134,7 @@ def test_a_loader_dropped_without_close_leaves_its_group(ray_session, small_data
 
 def test_skip_policy_leaves_a_truncated_jpeg_out_of_training_and_a_corrupt_file_out_of_evaluation(
         ray_session, tmp_path, warm_pool):
-    """Under ``on_error: skip``, every trial's epochs leave out the training sample whose JPEG is
+    """Under ``on_error: skip``, the trial's epochs leave out the training sample whose JPEG is
     truncated, and its evaluation the held-out file that is not an image, as an unshared loader does."""
     from coordinated_prep.plan import holdout_split
     from coordinated_prep.trial.loader import eval_loader
@@ -153,17 +155,17 @@ def test_skip_policy_leaves_a_truncated_jpeg_out_of_training_and_a_corrupt_file_
         analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0,
                             raise_on_failed_trial=False,
                             config={"data": spec, "batch_size": 8, "epochs": 2, "evaluate": True,
-                                    "out": str(tmp_path / "records"), "score": tune.grid_search([1, 2])})
+                                    "out": str(tmp_path / "records")})
         [report], [evaluation] = searcher.group_reports().values(), searcher.eval_reports().values()
     finally:
         searcher.close()
     assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
     assert report["samples_skipped"] == 1
     expected = [i for i in train_ids(spec) if i != victim]
-    for trial, epochs in load_records(str(tmp_path / "records")).items():
-        assert_exactly_once([e["indices"] for e in epochs], expected, trial)
-    for t in analysis.trials:
-        assert t.last_result["eval_samples"] == len(held) - 1, t  # evaluated without that one sample
+    [(trial, epochs)] = load_records(str(tmp_path / "records")).items()
+    assert_exactly_once([e["indices"] for e in epochs], expected, trial)
+    [t] = analysis.trials
+    assert t.last_result["eval_samples"] == len(held) - 1, t  # evaluated without that one sample
     assert evaluation["samples_skipped"] == 1 and evaluation["skipped_files"] == [broken], evaluation
     # Unshared (the same function in the trial's own process): the same sample left out.
     assert sum(len(b) for b in eval_loader(dataclasses.replace(spec, coordinated=False), 8)) == len(held) - 1

@@ -14,6 +14,7 @@ import ray
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ray import tune
 
 from coordinated_prep import DataSpec, eval_loader, train_loader
 from coordinated_prep.errors import ConfigError
@@ -124,26 +125,29 @@ def test_a_three_fold_cross_validation_of_two_configs_from_yaml_prepares_each_sa
         trainable: tests.recording:record
         data: {{dataset: {small_dataset}, pipeline: {{size: 32}}, seed: 3, holdout: 0.0, fold: [3, 0],
                 chunk_size: 16, segments: 4}}
-        search_space: {{data.fold.1: {{grid: [0, 1, 2]}}, batch_size: {{grid: [8, 12]}}, epochs: 2,
+        search_space: {{data.fold.1: {{grid: [0, 1, 2]}}, epochs: 2,
                         evaluate: true, out: {tmp_path / "records"}, gate: cv-all-began, gate_after: 0}}
-        max_concurrent_trials: 6          # together: each piece is prepared once for all 6
+        max_concurrent_trials: 3          # together: each piece is prepared once for all 3
         resources_per_trial: {{cpu: 0.1}}
         metric: score
         pool: {{keep_warm: true}}   # the prep actors an earlier test kept, kept again for the next
     """))
     # Tune starts trial processes two at a time here: a trial may begin after the first ones ended,
     # and a group that ended prepares again for it. So each trial waits after its first epoch until
-    # all 6 have read one (a clean clone's run had one trial begin on a second coordinator).
+    # all 3 have read one (a clean clone's run had one trial begin on a second coordinator).
     gate = Gate.options(name="cv-all-began", namespace="coordinated_prep").remote()
-    opener = threading.Thread(target=lambda: ray.get(gate.wait_arrivals.remote(6, 300), timeout=330) and ray.get(
+    opener = threading.Thread(target=lambda: ray.get(gate.wait_arrivals.remote(3, 300), timeout=330) and ray.get(
         gate.open.remote(), timeout=60), daemon=True)
     opener.start()
     cfg = load_sweep(str(path))
+    # Two configs, one trial per fold (3 trial processes, not 6): fold 2 reads batches of 12, folds 0 and 1 of 8.
+    cfg = dataclasses.replace(cfg, search_space={
+        **cfg.search_space, "batch_size": tune.sample_from(lambda c: 12 if c["data.fold.1"] == 2 else 8)})
     summary = run_sweep(cfg, verbose=0)
     opener.join(timeout=30)
     trials = summary["trials"]
-    assert len(trials) == 6 and all(t["status"] == "TERMINATED" for t in trials), trials
-    [group] = summary["groups"].values()  # 3 folds x 2 batch sizes: one data group
+    assert len(trials) == 3 and all(t["status"] == "TERMINATED" for t in trials), trials
+    [group] = summary["groups"].values()  # 3 folds, 2 batch sizes: one data group
     specs = [DataSpec(dataset=small_dataset, pipeline={"size": 32}, seed=3, holdout=0.0, fold=(3, i), chunk_size=16,
                       segments=4) for i in range(3)]
     parts = [part_ids(s, 180) for s in specs]
@@ -152,14 +156,15 @@ def test_a_three_fold_cross_validation_of_two_configs_from_yaml_prepares_each_sa
     for result in glob.glob(str(tmp_path / "runs" / "cv" / "*" / "result.json")):
         last = json.loads(open(result).read().splitlines()[-1])
         evaluated[last["trial_id"]] = last["eval_samples"]
-    folds = []
+    folds, sizes = [], {}
     for trial in trials:  # each trial: exactly its folds once per epoch, with the bytes it would prepare alone
         epochs = records[trial["trial"]]
         [fold] = [i for i, p in enumerate(parts) if np.array_equal(np.sort(epochs[0]["indices"]), p)]
         check_trial_records(specs[fold], epochs, trial["batch_size"], trial["trial"])
         assert evaluated[trial["trial"]] == held_out(specs[fold], 180).size, "it evaluates on its own fold"
         folds.append(fold)
-    assert sorted(folds) == sorted(list(range(3)) * 2), "each fold trained by both configs"
+        sizes[fold] = trial["batch_size"]
+    assert sorted(folds) == [0, 1, 2] and sizes == {0: 8, 1: 8, 2: 12}, "each fold trained once, by its config"
     starts = [int(records[t["trial"]][0]["start"]) for t in trials]
     assert group["coordinators"] == 1, group
     assert group["samples_prepared"] == stream_samples(starts, 2, 180, 16), "each piece prepared once for all folds"

@@ -14,7 +14,6 @@ from ray import tune
 
 from coordinated_prep import CoordinatedSearcher, DataSpec, train_loader
 from coordinated_prep.trial.loader import resolve_spec
-from coordinated_prep.pipeline.sources.shapes import ensure_shapes
 from coordinated_prep.sweep.config import load_sweep
 from coordinated_prep.sweep.progress import ProgressLine
 from coordinated_prep.sweep.runner import LOOPBACK, init_kwargs, run_sweep
@@ -32,40 +31,37 @@ _OPTUNA_SWEEP = """
 name: optuna
 storage_path: {runs}
 trainable: small_cnn
-data: {{dataset: "builtin:shapes", pipeline: {{size: 32}}, chunk_size: 64}}
+data: {{dataset: {dataset}, pipeline: {{size: 32}}, chunk_size: 64}}
 pool: {{keep_warm: true}}
 search_space: {{lr: {{loguniform: [0.01, 0.1]}}, batch_size: {{choice: [32, 64]}}, width: 4, epochs: 1}}
-num_samples: 3
-max_concurrent_trials: 3
+num_samples: 2
+max_concurrent_trials: 2
 resources_per_trial: {{cpu: 0.25}}
 search: {{type: optuna, seed: 0}}
 """
 
 
 @pytest.mark.usefixtures("warm_pool")  # one kept pool for the module's sweeps
-def test_an_optuna_sweep_from_yaml_shares_its_data(ray_session, tmp_path):
+def test_an_optuna_sweep_from_yaml_shares_its_data(ray_session, small_dataset, tmp_path):
     from ray.tune.search.optuna import OptunaSearch
 
-    # Drawn once, here: otherwise every process that opens it first (trials, prep actors) draws its own
-    # copy, racing (ensure_shapes keeps one): this test took 63 s that way, 42 s this way (loaded 2 cores).
-    ensure_shapes()
     path = tmp_path / "optuna.yaml"
-    path.write_text(textwrap.dedent(_OPTUNA_SWEEP.format(runs=tmp_path / "runs")))
+    path.write_text(textwrap.dedent(_OPTUNA_SWEEP.format(runs=tmp_path / "runs", dataset=small_dataset)))
     cfg = load_sweep(str(path))
     summary = run_sweep(cfg, verbose=0)
-    assert [t["status"] for t in summary["trials"]] == ["TERMINATED"] * 3, summary["trials"]
-    # The searcher was Optuna, seeded: TPE seeded with 0 suggests exactly these three configs first
+    assert [t["status"] for t in summary["trials"]] == ["TERMINATED"] * 2, summary["trials"]
+    # The searcher was Optuna, seeded: TPE seeded with 0 suggests exactly these two configs first
     # (its first 10 come from its seeded random sampler, whatever the trials report).
     optuna = OptunaSearch(seed=0)
     optuna.set_search_properties("accuracy", "max", {k: cfg.search_space[k].to_tune() for k in ("lr", "batch_size")})
-    expected = sorted((c["lr"], c["batch_size"]) for c in (optuna.suggest(f"t{i}") for i in range(3)))
+    expected = sorted((c["lr"], c["batch_size"]) for c in (optuna.suggest(f"t{i}") for i in range(2)))
     suggested = sorted((t["config"]["lr"], t["config"]["batch_size"]) for t in summary["trials"])
-    assert suggested == expected and len({lr for lr, _ in suggested}) == 3
+    assert suggested == expected and len({lr for lr, _ in suggested}) == 2
     [group] = summary["groups"].values()  # one data group: every config shares the same DataSpec
-    assert group["trials_joined"] == 3
-    assert group["samples_served"] == 3 * group["samples_per_epoch"], "each trial read its one epoch"
-    # One pass over the stream from the first trial's start to the last one's end, however the three
-    # trials' starts fell: each piece prepared once for all of them.
+    assert group["trials_joined"] == 2
+    assert group["samples_served"] == 2 * group["samples_per_epoch"], "each trial read its one epoch"
+    # One pass over the stream from the first trial's start to the last one's end, however the two
+    # trials' starts fell: each piece prepared once for both.
     assert group["samples_prepared"] == stream_samples(group["starts"].values(), 1, group["samples_per_epoch"], 64)
 
 

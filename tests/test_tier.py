@@ -227,8 +227,11 @@ def test_kept_and_made_prefix_outputs_give_the_bytes_of_the_whole_pipeline(small
 
 # -- real sweeps: several tails, one prefix ---------------------------------------------------------
 
-EPOCHS = 3
+EPOCHS = 2
 SCALES = (0.2, 0.5, 0.8)
+#: The unshared pipeline's digest per (spec, stream epoch) and index, kept for the module's later sweeps
+#: of the same specs: a sample's bytes are a function of (spec, stream epoch, index) alone.
+_DIGESTS: dict[tuple[DataSpec, int], dict[int, int]] = {}
 
 
 def _specs(dataset: str) -> list[DataSpec]:
@@ -251,6 +254,19 @@ def _sweep(tmp_path, specs: list[DataSpec], pool: PoolSpec):
     return analysis, reports, tiers
 
 
+def _reference_digests(spec: DataSpec, epochs: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """:func:`_reference`, each (spec, stream epoch, index) prepared once in this process."""
+    out = np.empty(len(indices), dtype=np.uint64)
+    for e in np.unique(epochs):
+        sel = epochs == e
+        known = _DIGESTS.setdefault((spec, int(e)), {})
+        todo = np.array([i for i in np.unique(indices[sel]).tolist() if i not in known], dtype=np.int64)
+        if todo.size:
+            known.update(zip(todo.tolist(), _reference(spec, np.full(todo.size, e), todo).tolist()))
+        out[sel] = [known[i] for i in indices[sel].tolist()]
+    return out
+
+
 def _check_trials(analysis, tmp_path, specs: list[DataSpec]) -> None:
     """Each trial's epochs hold every training sample once, with the unshared pipeline's bytes."""
     train = train_indices(len(make_pipeline(specs[0])), specs[0].holdout)
@@ -259,7 +275,7 @@ def _check_trials(analysis, tmp_path, specs: list[DataSpec]) -> None:
         for e in range(EPOCHS):
             got = np.load(os.path.join(str(tmp_path), trial.trial_id, f"epoch{e}.npz"))
             assert_exactly_once([got["arr_0"]], train, trial.trial_id)
-            assert np.array_equal(got["arr_2"], _reference(spec, got["arr_1"], got["arr_0"])), \
+            assert np.array_equal(got["arr_2"], _reference_digests(spec, got["arr_1"], got["arr_0"])), \
                 f"{trial.trial_id}: the bytes differ from the unshared pipeline's"
 
 
@@ -273,7 +289,7 @@ def test_groups_with_different_tails_decode_each_sample_once_for_the_whole_sweep
     prepared = sum(r["samples_prepared"] for r in reports.values())
     decodes = sum(r["decodes"] for r in reports.values())
     hits = sum(r["tier_hits"] for r in reports.values())
-    # Three groups, at least three epochs each (a trial joining at a later segment reads into a fourth):
+    # Three groups, at least two epochs each (a trial joining at a later segment reads into a third):
     # the prefix ran once per sample for all of it, and every other preparation was a hit.
     assert prepared >= len(SCALES) * EPOCHS * n and decodes == n and hits == prepared - n, (prepared, decodes, hits)
     [tier] = tiers.values()
@@ -287,7 +303,7 @@ def test_groups_with_different_tails_decode_each_sample_once_for_the_whole_sweep
 
 def test_a_tier_too_small_for_the_set_decodes_again_and_keeps_every_trial_live(ray_session, tmp_path, small_dataset,
                                                                                 warm_pool):
-    specs = _specs(small_dataset)
+    specs = _specs(small_dataset)[:2]
     n = len(train_indices(len(make_pipeline(specs[0])), 0.1))
     budget = (n // 3) * 3 * 32 * 38  # about a third of the set: admission closes part-way through epoch 0
     analysis, reports, tiers = _sweep(tmp_path, specs, replace(warm_pool, actors=2, decoded_bytes=budget))
@@ -298,8 +314,8 @@ def test_a_tier_too_small_for_the_set_decodes_again_and_keeps_every_trial_live(r
     decodes = sum(r["decodes"] for r in reports.values())
     hits = sum(r["tier_hits"] for r in reports.values())
     assert decodes + hits == prepared and n < decodes < prepared, (decodes, hits, prepared)
-    # A kept sample was decoded once and is a hit in every other group-epoch (at least 3 x 3 of them).
-    assert hits >= (len(SCALES) * EPOCHS - 1) * tier["samples"], (hits, tier["samples"])
+    # A kept sample was decoded once and is a hit in every other group-epoch (at least 2 x 2 of them).
+    assert hits >= (len(specs) * EPOCHS - 1) * tier["samples"], (hits, tier["samples"])
 
 
 def test_without_a_tier_every_group_decodes_every_sample_each_epoch(ray_session, tmp_path, small_dataset, warm_pool):

@@ -51,18 +51,18 @@ class Detection:
 
 
 PIPELINES = {
-    "cifar_v2": dict(dataset=Factory("trainables.data.cifar:make", {"n": 300}),
+    "cifar_v2": dict(dataset=Factory("trainables.data.cifar:make", {"n": 150}),
                      transform=Factory("trainables.data.cifar:train_transform"),
                      eval_transform=Factory("trainables.data.cifar:eval_transform")),
-    "segmentation": dict(dataset=Factory("trainables.data.segmentation:make", {"n": 160}),
+    "segmentation": dict(dataset=Factory("trainables.data.segmentation:make", {"n": 80}),
                          transforms=Factory("trainables.data.segmentation:train_transforms"),
                          eval_transforms=Factory("trainables.data.segmentation:eval_transforms")),
-    "audio": dict(dataset=Factory("trainables.data.audio:make", {"n": 200}),
+    "audio": dict(dataset=Factory("trainables.data.audio:make", {"n": 100}),
                   transform=Factory("trainables.data.audio:train_transform"),
                   eval_transform=Factory("trainables.data.audio:eval_transform")),
-    "detection": dict(dataset=Detection(), transforms=v2.Compose([v2.RandomHorizontalFlip(), v2.ColorJitter(0.5)])),
+    "detection": dict(dataset=Detection(64), transforms=v2.Compose([v2.RandomHorizontalFlip(), v2.ColorJitter(0.5)])),
     # A team's own IterableDataset, read by shard (coordinated_prep/pipeline/streamed.py).
-    "streamed": dict(dataset=Shards(n=120, seed=1), transform=AUGMENT),
+    "streamed": dict(dataset=Shards(n=64, seed=1), transform=AUGMENT),
 }
 
 
@@ -117,7 +117,7 @@ def _reference_eval(spec: DataSpec) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def pipelines_sweep(ray_session, tmp_path_factory, warm_pool):
-    """One sweep of every user pipeline, two trials each (batch sizes 8 and 12): four data groups."""
+    """One sweep of every user pipeline, two trials each (batch sizes 8 and 12): six data groups."""
     out = str(tmp_path_factory.mktemp("pipelines"))
     specs = {name: _spec(name) for name in PIPELINES}
     # A ray.data pipeline, materialized here in the driver (it needs Ray), its rows spilled once per node.
