@@ -302,3 +302,40 @@ def test_a_searchers_suggestions_held_back_are_saved_with_tunes_checkpoint_and_r
         rest.append(trial.config["lr"])
     assert rest[:3] == held and len(rest) == 6, "the held ones first (oldest), then the rest of 8"
     assert len({t.config["lr"] for t in released} | set(rest)) == 8, "no config lost or run twice"
+
+
+def test_a_completed_trial_keeps_its_group_while_trials_released_or_held_back_will_read_it(tmp_path, monkeypatch):
+    """The searcher tells the registry which of a completed trial's groups to keep a while: those of
+    the trials still running or held back (coordinated_prep/stream/linger.py), and no other."""
+    from coordinated_prep import CoordinatedSearcher, DataSpec
+    from coordinated_prep.tune import searcher as searcher_module
+
+    a, b = (DataSpec(dataset=str(tmp_path), pipeline={"size": 8}, seed=s) for s in (1, 2))
+    kept: dict[int, list[str]] = {}
+
+    class Registry:
+        class trial_done:
+            @staticmethod
+            def remote(trial_id, keep):
+                kept[index[trial_id]] = keep
+
+    monkeypatch.setattr(searcher_module.ray, "get", lambda value, timeout=None: value)
+    searcher = CoordinatedSearcher(_sequential([a, a, a, b]), max_concurrent=2)
+    searcher._registry = Registry()
+    from ray import tune
+
+    tune.register_trainable("coordprep_keep_test", tune.with_resources(lambda config: None, {"cpu": 0.5}))
+    searcher.add_configurations({"sweep": {"run": "coordprep_keep_test", "config": {}, "num_samples": 4}})
+    index, running = {}, []
+    while not searcher.is_finished():
+        trial = searcher._release() if len(running) < 2 else None
+        if trial is None:
+            done = running.pop(0)
+            searcher.on_trial_complete(done.trial_id, result={"accuracy": 0.5})
+            continue
+        index[trial.trial_id] = trial.config["i"]
+        running.append(trial)
+    for done in running:
+        searcher.on_trial_complete(done.trial_id, result={"accuracy": 0.5})
+    # A0 and A1 end while another A runs or waits; A2 ends beside B only; B ends last.
+    assert kept == {0: [a.group_key], 1: [a.group_key], 2: [], 3: []}, kept

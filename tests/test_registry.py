@@ -539,3 +539,50 @@ def test_resident_evaluation_pieces_are_charged_their_real_bytes_and_the_groups_
     assert held <= 3200, f"{resident} resident pieces hold {held} bytes for an allowance of 3200"
     assert found.resident_bytes == held and shares[-1] == 2 * 3200 - held
     assert found.samples_prepared == 8 * resident, "each resident piece prepared once"
+
+
+# -- a group kept for the trials its searcher released (coordinated_prep/stream/linger.py) -----------
+
+def test_a_group_with_more_trials_released_outlives_its_last_member_and_the_next_trial_reads_on_from_it(registry):
+    async def scenario() -> None:
+        first = await registry.group_for(_spec(), "A", NODE)
+        [key] = registry._groups
+        await registry.trial_done("A", keep=[_spec().group_key])  # the searcher released B, not started yet
+        assert not first.killed and registry._lingering.timer(key) is not None, "kept, on a deadline"
+        assert await registry.group_for(_spec(), "B", NODE) is first, "B reads on from the pieces A left"
+        assert registry._lingering.timer(key) is None, "a member again: no deadline"
+        await registry.trial_done("B")  # nothing more released for it
+        assert first.killed and not registry._groups and not registry._members
+
+    asyncio.run(scenario())
+
+
+def test_a_kept_group_that_no_trial_joins_is_destroyed_at_its_deadline(registry):
+    async def scenario() -> None:
+        registry._lingering.seconds = 0.0
+        first = await registry.group_for(_spec(), "A", NODE)
+        [key] = registry._groups
+        await registry.trial_done("A", keep=[_spec().group_key, "another group's key"])
+        deadline = registry._lingering.timer(key)
+        assert deadline is not None and not first.killed
+        await deadline  # the deadline passes with no member: destroyed, as at once without a keep
+        assert first.killed and first.closed and not registry._groups and not registry._members
+        assert registry._lingering.timer(key) is None
+        assert await registry.group_for(_spec(), "C", NODE) is _Coordinator.made[1], "a later trial: a new one"
+
+    asyncio.run(scenario())
+
+
+def test_only_the_groups_named_are_kept_and_a_sweeps_end_destroys_a_kept_one(registry):
+    async def scenario() -> None:
+        kept = await registry.group_for(_spec(1), "A", NODE)
+        other = await registry.group_for(_spec(2), "A", NODE)
+        await registry.trial_done("A", keep=[_spec(1).group_key])
+        assert not kept.killed and other.killed, "only the group that more trials will read is kept"
+        [key] = registry._groups
+        assert registry._lingering.timer(key) is not None
+        registry._pools.clear()  # the fake pool has nothing to kill
+        await registry.shutdown()
+        assert kept.killed and not registry._groups and registry._lingering.timer(key) is None
+
+    asyncio.run(scenario())

@@ -139,6 +139,25 @@ def _lifetime(config):
     tune.report({"start": start, "end": time.time()})
 
 
+def test_trials_of_one_group_run_one_after_another_read_one_coordinator_kept_between_them(ray_session, small_dataset,
+                                                                                           tmp_path, warm_pool):
+    """Each trial starts after the one before it ended; the searcher holds the next one back, so the
+    registry keeps the group for it (coordinated_prep/stream/linger.py) instead of starting it again."""
+    spec = _spec(small_dataset)
+    searcher = CoordinatedSearcher(pool=warm_pool, max_concurrent=1)
+    analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0, reuse_actors=True,
+                        config={"data": spec, "batch_size": tune.grid_search([8, 12, 7]), "epochs": 1,
+                                "out": str(tmp_path)})
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    [report] = searcher.group_reports().values()
+    searcher.close()
+    records = load_records(str(tmp_path))
+    for trial in analysis.trials:
+        _check_trial(spec, records[trial.trial_id], trial.config["batch_size"], trial.trial_id)
+    assert report["trials_joined"] == 3 and report["coordinators"] == 1, report
+    assert live_coordprep_actors() == []
+
+
 def test_tune_configs_max_concurrent_trials_is_honoured(ray_session, tmp_path, warm_pool):
     """Tune drops max_concurrent_trials for a SearchAlgorithm; the CoordinatedSearcher applies it."""
     searcher = CoordinatedSearcher(pool=warm_pool)

@@ -37,7 +37,7 @@ import asyncio
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Collection
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -55,7 +55,8 @@ from coordinated_prep.stream.eval_set import EvalSet
 from coordinated_prep.stream.evals import Evals
 from coordinated_prep.stream.group_reports import Reports, _merge
 from coordinated_prep.stream.growth import PoolGrowth
-from coordinated_prep.stream.indexes import Indexes, start_bound_s  # noqa: F401  (its old home)
+from coordinated_prep.stream.indexes import Indexes
+from coordinated_prep.stream.linger import LINGER_S, Lingering
 from coordinated_prep.naming import CALL_TIMEOUT_S, LIVENESS_TIMEOUT_S, NAMESPACE
 from coordinated_prep.pipeline.probe import PROBED
 from coordinated_prep.pipeline.streamed import StreamedShards
@@ -125,6 +126,7 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports, PoolGrowth):
         self._runs: dict[tuple[str, str], set[Process]] = {}
         self._reaper: asyncio.Task | None = None  # drops ended runs every _REAP_S while there are runs
         self._closing: asyncio.Event | None = None  # set by shutdown: the reaper stops
+        self._lingering = Lingering()  # groups with no member kept for trials released to read them
         self._finished: dict[str, dict[str, Any]] = {}
         self._loaders: dict[str, tuple[int, dict[str, Any]]] = {}  # trial -> (its first loader, what it measured)
         self._incarnation = itertools.count()
@@ -175,6 +177,7 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports, PoolGrowth):
             members = self._members.setdefault(key, set())
             added = trial not in members
             members.add(trial)  # before any await: see the module docstring
+            self._lingering.cancel(key)
             self._trial_groups.setdefault(trial, set()).add(key)
             if run:  # in the same step: a run is a member only with processes that can end
                 self._runs.setdefault((key, trial), set()).update(Process(*p) for p in processes)
@@ -194,14 +197,15 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports, PoolGrowth):
                 raise
             return group.actor
 
-
     async def restored(self) -> None:
         """The sweep was restored (``Tuner.restore``) while this registry lived on: Tune runs its errored
         and unfinished trials again under their ids, so their earlier completions no longer hold."""
         self._done.clear()
 
-    async def trial_done(self, trial: str) -> None:
-        """``trial`` ended for good: it leaves its groups, and a group left with no member is destroyed.
+    async def trial_done(self, trial: str, keep: Collection[str] = ()) -> None:
+        """``trial`` ended for good: it leaves its groups, and a group left with no member is destroyed,
+        or kept for ``LINGER_S`` if its spec's group key is in ``keep``: the searcher released (or
+        holds) more trials of it (:mod:`coordinated_prep.stream.linger`).
 
         It never becomes a member again (see the module docstring).
         """
@@ -209,11 +213,12 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports, PoolGrowth):
         for key in [k for k in self._rendezvous if trial_of(k[1]) == trial]:
             del self._rendezvous[key]
         for key in sorted(self._trial_groups.get(trial, set())):
-            await self._leave(trial, key)
+            await self._leave(trial, key, keep=key.split("@", 1)[0] in keep)
 
-    async def _leave(self, trial: str, key: str, ended: set[Process] | None = None) -> None:
-        """``trial`` leaves group ``key``; the group is destroyed if no member is left. With ``ended``
-        (a run's processes found ended), only if every process the run joined ``key`` with is in it."""
+    async def _leave(self, trial: str | None, key: str, ended: set[Process] | None = None, keep: bool = False) -> None:
+        """``trial`` leaves group ``key`` (None: no one, the kept group's deadline); the group is destroyed
+        if no member is left, unless ``keep``. With ``ended`` (a run's processes found ended), only if
+        every process the run joined ``key`` with is in it."""
         async with self._lock(key):  # waits for a start in progress (see the module docstring)
             if ended is not None:
                 processes = self._runs.get((key, trial))
@@ -224,9 +229,10 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports, PoolGrowth):
                     processes.clear()  # no coordinator: nothing to keep for it (see _reap)
                 if processes:
                     return  # a process it joined with since (a restarted worker group) still runs
-            self._forget(trial, key)
+            if trial is not None:
+                self._forget(trial, key)
             group = self._groups.get(key)
-            if group is None:
+            if group is None or (trial is None and self._members.get(key)):
                 return
             if self._members.get(key):
                 try:
@@ -234,10 +240,13 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports, PoolGrowth):
                 except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
                     logger.warning("data group %s: trial %s could not leave cleanly: %r", key, trial, e)
                 return
+            if keep:
+                self._lingering.start(key, lambda: self._leave(None, key))
+                logger.info("data group %s: no trial reads it; kept %.0f s for those released to", key, LINGER_S)
+                return
             del self._groups[key]
             await asyncio.shield(self._destroy(key, group))  # a cancelled caller must not leave it half-destroyed
         await self._split(group.node)
-
 
     async def until_killed(self) -> None:
         """Answers never: a call of it pending in the driver fails when this actor's process is gone,
@@ -248,6 +257,7 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports, PoolGrowth):
         """Destroy every group, then the prep pools and the node caches."""
         if self._closing is not None:
             self._closing.set()
+        self._lingering.close()
         if self._reaper is not None:  # it stops at its next wait; a check in progress is bounded
             try:
                 await asyncio.wait_for(asyncio.shield(self._reaper), CALL_TIMEOUT_S)

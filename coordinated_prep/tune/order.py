@@ -100,13 +100,18 @@ class GroupOrder:
         self._groups[self.key(chosen.item)] = chosen.group
         return chosen.item
 
-    def complete(self, trial_id: Hashable) -> None:
-        """Trial ``trial_id`` is over (finished, stopped or errored); unknown ids are ignored."""
+    def complete(self, trial_id: Hashable) -> Hashable | None:
+        """Trial ``trial_id`` is over (finished, stopped or errored); its group (None for unknown ids)."""
         group = self._groups.pop(trial_id, None)
         if group is not None:
             self._live[group] -= 1
             if not self._live[group]:
                 del self._live[group]
+        return group
+
+    def wanted(self) -> set[Hashable]:
+        """The groups of the trials released and not complete, and of the suggestions held back."""
+        return set(self._live) | {w.group for w in self._waiting if w.group is not None}
 
     def clear(self) -> int:
         """Drop every held suggestion (the sweep ends without them); returns how many."""

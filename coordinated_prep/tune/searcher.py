@@ -193,12 +193,16 @@ class CoordinatedSearcher(RegistryStart, SearchAlgorithm):
 
     def on_trial_complete(self, trial_id: str, result: Optional[Dict] = None, error: bool = False) -> None:
         self._note_start(block=error)  # a trial that failed may have failed for want of its pool
-        self._order.complete(trial_id)
+        group = self._order.complete(trial_id)
         self._inner.on_trial_complete(trial_id, result=result, error=error)
         if self._registry is None:
             return
+        # Its data groups that trials released or held back will read: kept for them a while, not
+        # destroyed and started again (coordinated_prep/stream/linger.py).
+        wanted = self._order.wanted()
+        keep = sorted({k for k in group or () if any(k in g for g in wanted)})
         try:  # synchronous, so what only this trial held is freed before the next trial starts
-            ray.get(self._registry.trial_done.remote(trial_id), timeout=_CALL_TIMEOUT_S)
+            ray.get(self._registry.trial_done.remote(trial_id, keep), timeout=_CALL_TIMEOUT_S)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
             logger.warning("coordinated_prep: trial %s did not leave its data group cleanly: %s", trial_id, e)
 

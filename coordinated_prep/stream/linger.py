@@ -1,0 +1,61 @@
+"""A data group kept a while after its last member left, for the trials released to read it.
+
+The searcher releases a group's trials together (:mod:`coordinated_prep.tune.order`), but Tune
+starts each one's process later: a few seconds on a busy node, while the trials before it may end;
+and with fewer places than trials, the next one starts only once one ended. A group destroyed when
+its last member leaves is then started again for the next trial: a new coordinator process, its
+dataset index check and its probe, and the pieces prepared ahead for the leavers are lost. (Three
+trials of one group run one at a time: 8.1 s with a coordinator each, 6.7 s with one kept between
+them, measured one after the other on 2 cores.)
+
+So when Tune reports a trial done and the searcher still holds or runs trials of the same group
+(``trial_done(keep=...)``), the registry keeps the group's coordinator, its pieces and its budget
+share for ``LINGER_S`` instead of destroying it. A trial that joins meanwhile cancels the timer
+and reads on from the pieces held; at the deadline a group still without members is destroyed,
+exactly as it would have been at once. The wait is bounded, and a sweep's end destroys it with
+every other group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, Callable
+
+#: Seconds a memberless group is kept for the trials released to read it (a trial's process start
+#: takes 5-10 s on 2 busy cores; Tune may wait for resources before it starts one).
+LINGER_S = 60.0
+
+
+class Lingering:
+    """The timers of the groups kept with no member, by group key (one per group at most)."""
+
+    def __init__(self, seconds: float = LINGER_S) -> None:
+        self.seconds = seconds
+        self._timers: dict[str, asyncio.Task] = {}
+
+    def start(self, key: str, expire: Callable[[], Awaitable[None]]) -> None:
+        """Call ``expire()`` in ``seconds`` unless :meth:`cancel` is called for ``key`` first."""
+        self.cancel(key)
+        self._timers[key] = asyncio.get_running_loop().create_task(self._after(key, expire))
+
+    def cancel(self, key: str) -> None:
+        """A member joined ``key``'s group: it is no longer kept only for the trials to come."""
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+
+    def timer(self, key: str) -> asyncio.Task | None:
+        """The pending timer of ``key``'s group, if it is kept with no member."""
+        return self._timers.get(key)
+
+    def close(self) -> None:
+        """Cancel every timer (the sweep ends: its groups are destroyed anyway)."""
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+
+    async def _after(self, key: str, expire: Callable[[], Awaitable[None]]) -> None:
+        await asyncio.sleep(self.seconds)  # a deadline, not a wait for another party
+        if self._timers.get(key) is asyncio.current_task():
+            del self._timers[key]
+        await expire()
