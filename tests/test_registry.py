@@ -549,6 +549,7 @@ def test_a_group_with_more_trials_released_outlives_its_last_member_and_the_next
         [key] = registry._groups
         await registry.trial_done("A", keep=[_spec().group_key])  # the searcher released B, not started yet
         assert not first.killed and registry._lingering.timer(key) is not None, "kept, on a deadline"
+        assert first.left == ["A"], "A left the coordinator: what it did not fetch is kept for B"
         assert await registry.group_for(_spec(), "B", NODE) is first, "B reads on from the pieces A left"
         assert registry._lingering.timer(key) is None, "a member again: no deadline"
         await registry.trial_done("B")  # nothing more released for it
@@ -584,5 +585,27 @@ def test_only_the_groups_named_are_kept_and_a_sweeps_end_destroys_a_kept_one(reg
         registry._pools.clear()  # the fake pool has nothing to kill
         await registry.shutdown()
         assert kept.killed and not registry._groups and registry._lingering.timer(key) is None
+
+    asyncio.run(scenario())
+
+
+def test_a_group_starting_on_the_node_takes_a_kept_groups_share_and_a_failed_join_keeps_it_on_a_deadline(registry):
+    async def scenario() -> None:
+        kept = await registry.group_for(_spec(1), "A", NODE)
+        [key] = registry._groups
+        await registry.trial_done("A", keep=[_spec(1).group_key])
+        kept.ready_gate = asyncio.Event()  # B's join stops in the liveness check, after it cancelled the deadline
+        joining = asyncio.ensure_future(registry.group_for(_spec(1), "B", NODE))
+        for _ in range(100):  # yields of the loop, not time
+            await asyncio.sleep(0)
+        assert registry._lingering.timer(key) is None and not joining.done()
+        joining.cancel()  # B's call fails there (cancelled): the group has no member again
+        with pytest.raises(asyncio.CancelledError):
+            await joining
+        assert registry._lingering.timer(key) is not None and not kept.killed, "kept again, on a deadline"
+        kept.ready_gate = None
+        other = await registry.group_for(_spec(2), "C", NODE)  # another group starts on the node
+        assert kept.killed and not other.killed and list(registry._groups) != [key]
+        assert registry._lingering.timer(key) is None
 
     asyncio.run(scenario())

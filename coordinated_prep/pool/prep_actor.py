@@ -60,6 +60,11 @@ class PrepActor:
         self._buffer = ReusedBuffer()
         self.reset(cache, tier)
 
+    def until_killed(self, timeout_s: float) -> None:
+        """Returns after ``timeout_s``: sent just before ``ray.kill``, it fails once this actor's process
+        is gone, which is how its killer waits for that (:func:`coordinated_prep.pool.warm._kill`)."""
+        threading.Event().wait(timeout_s)
+
     def reset(self, cache: tuple[CacheLayout, CacheSpec] | None = None, tier: tuple[str, float] | None = None) -> None:
         """Serve a new sweep (a pool kept warm, :mod:`coordinated_prep.pool.warm`): its cache and tier,
         and no pipeline, spec, opened dataset or folder index of the last one (a dataset may have

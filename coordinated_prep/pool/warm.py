@@ -140,13 +140,18 @@ def _emptied(node: str, actors: list[Any]) -> bool:
 
 
 def _kill(actors: list[Any]) -> None:
-    """Kill ``actors`` and wait (bounded) until they are gone, so that their CPUs are free again."""
+    """Kill ``actors`` and wait (bounded) until they are gone, so that their CPUs are free again.
+
+    A call made after the kill may still be answered (the kill reaches the process later); one sent
+    before it fails only once the process is gone."""
+    gone = [actor.until_killed.remote(_GONE_S) for actor in actors]
     for actor in actors:
         ray.kill(actor, no_restart=True)
-    for actor in actors:
+    for ref in gone:
         try:
-            ray.get(actor.__ray_ready__.remote(), timeout=_GONE_S)
+            ray.get(ref, timeout=_GONE_S + _ANSWER_S)
         except ray.exceptions.RayActorError:
             continue  # dead: its CPUs are back
         except ray.exceptions.GetTimeoutError:
-            logger.warning("a killed prep actor still answered after %.0f s", _GONE_S)
+            pass
+        logger.warning("a killed prep actor was still alive after %.0f s", _GONE_S)

@@ -4,7 +4,8 @@ A thin asyncio shell around :class:`~coordinated_prep.stream.staging.StagingBuff
 :class:`~coordinated_prep.plan.StreamPlan` (which samples each piece holds).
 
 Ownership: the group registry owns the coordinator (it creates it when the group's first trial on
-the node joins and kills it when the last one ends) and the node's prep pool; the coordinator
+the node joins and kills it when the last one ends, or a while after when more trials of the group
+are coming: :mod:`coordinated_prep.stream.linger`) and the node's prep pool; the coordinator
 submits its pieces to the pool's actors, so Ray makes it the owner of every prepared piece.
 
 Life cycle of a prepared piece ``g``:

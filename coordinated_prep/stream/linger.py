@@ -9,17 +9,26 @@ trials of one group run one at a time: 8.1 s with a coordinator each, 6.7 s with
 them, measured one after the other on 2 cores.)
 
 So when Tune reports a trial done and the searcher still holds or runs trials of the same group
-(``trial_done(keep=...)``), the registry keeps the group's coordinator, its pieces and its budget
-share for ``LINGER_S`` instead of destroying it. A trial that joins meanwhile cancels the timer
-and reads on from the pieces held; at the deadline a group still without members is destroyed,
-exactly as it would have been at once. The wait is bounded, and a sweep's end destroys it with
-every other group.
+(``trial_done(keep=...)``), the registry keeps the group's coordinator and its kept pieces for
+``LINGER_S`` instead of destroying it (the trial leaves the coordinator as any leaver does, so
+what was prepared for it and not fetched is kept for the next joiner). A trial that joins meanwhile
+cancels the deadline and starts on those pieces; at the deadline a group still without members is
+destroyed, exactly as it would have been at once. A group that starts on the node first destroys
+the node's kept groups: it needs their budget share more than a trial that may come. The wait is
+bounded, and a sweep's end destroys a kept group with every other group.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
+import logging
+from typing import Any, Awaitable, Callable
+
+import ray
+
+from coordinated_prep.naming import CALL_TIMEOUT_S
+
+logger = logging.getLogger("coordinated_prep.stream.registry")
 
 #: Seconds a memberless group is kept for the trials released to read it (a trial's process start
 #: takes 5-10 s on 2 busy cores; Tune may wait for resources before it starts one).
@@ -44,6 +53,10 @@ class Lingering:
         if timer is not None:
             timer.cancel()
 
+    def keys(self) -> list[str]:
+        """The groups kept with no member."""
+        return list(self._timers)
+
     def timer(self, key: str) -> asyncio.Task | None:
         """The pending timer of ``key``'s group, if it is kept with no member."""
         return self._timers.get(key)
@@ -59,3 +72,30 @@ class Lingering:
         if self._timers.get(key) is asyncio.current_task():
             del self._timers[key]
         await expire()
+
+
+class Kept:
+    """The registry's side (a part of :class:`~coordinated_prep.stream.registry.GroupRegistry`):
+    keeping a group whose last member left, and dropping it."""
+
+    async def _keep(self: Any, trial: str, key: str, group: Any) -> None:
+        """``trial``, the group's last member, leaves its coordinator; the group is kept (under the key's lock)."""
+        try:
+            await asyncio.wait_for(group.actor.leave_trial.remote(trial), CALL_TIMEOUT_S)
+        except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
+            logger.warning("data group %s: trial %s could not leave cleanly: %r", key, trial, e)
+        self._lingering.start(key, lambda: self._leave(None, key))
+        logger.info("data group %s: no trial reads it; kept %.0f s for those released to", key, self._lingering.seconds)
+
+    def _keep_again(self: Any, key: str) -> None:
+        """A join that cancelled the group's deadline failed: the group, memberless again, gets a new one."""
+        if key in self._groups and not self._members.get(key):
+            self._lingering.start(key, lambda: self._leave(None, key))
+
+    async def _drop_kept(self: Any, node: str) -> None:
+        """Destroy ``node``'s kept groups: a group starting there needs their share of its budget."""
+        for key in self._lingering.keys():
+            group = self._groups.get(key)
+            if group is not None and group.node == node:
+                self._lingering.cancel(key)
+                await self._leave(None, key)

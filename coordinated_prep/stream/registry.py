@@ -56,7 +56,7 @@ from coordinated_prep.stream.evals import Evals
 from coordinated_prep.stream.group_reports import Reports, _merge
 from coordinated_prep.stream.growth import PoolGrowth
 from coordinated_prep.stream.indexes import Indexes
-from coordinated_prep.stream.linger import LINGER_S, Lingering
+from coordinated_prep.stream.linger import Kept, Lingering
 from coordinated_prep.naming import CALL_TIMEOUT_S, LIVENESS_TIMEOUT_S, NAMESPACE
 from coordinated_prep.pipeline.probe import PROBED
 from coordinated_prep.pipeline.streamed import StreamedShards
@@ -81,7 +81,7 @@ class _Group:
     actor: Any
 
 
-class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports, PoolGrowth):
+class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports, PoolGrowth, Kept):
     """Starts a prep pool on every node, and a group's coordinator on a node when the group's first
     trial there joins; destroys the coordinator when the last one there leaves.
 
@@ -168,8 +168,9 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports, PoolGrowth):
         """:meth:`group_for` with the member's processes on ``node`` (a placement's ranks there)."""
         key = f"{spec.group_key}@{node[:12]}"
         run = trial.startswith(_RUN) and bool(processes)
-        if key not in self._groups:
-            await self._reap(node)  # a start needs a budget share: ended runs give theirs back first
+        if key not in self._groups:  # a start needs a budget share: ended runs and kept groups give theirs back
+            await self._reap(node)
+            await self._drop_kept(node)
         async with self._lock(key):  # one check-and-start per group at a time, and no completion inside it
             if trial in self._done:  # checked under the lock: trial_done's records and waits under it too
                 raise PrepError(f"trial {trial}: Tune reported it complete already, so it cannot join data group "
@@ -194,6 +195,7 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports, PoolGrowth):
             except BaseException:
                 if added:
                     self._forget(trial, key)
+                    self._keep_again(key)
                 raise
             return group.actor
 
@@ -241,9 +243,7 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports, PoolGrowth):
                     logger.warning("data group %s: trial %s could not leave cleanly: %r", key, trial, e)
                 return
             if keep:
-                self._lingering.start(key, lambda: self._leave(None, key))
-                logger.info("data group %s: no trial reads it; kept %.0f s for those released to", key, LINGER_S)
-                return
+                return await self._keep(trial, key, group)
             del self._groups[key]
             await asyncio.shield(self._destroy(key, group))  # a cancelled caller must not leave it half-destroyed
         await self._split(group.node)
