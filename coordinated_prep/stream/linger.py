@@ -5,8 +5,9 @@ starts each one's process later: a few seconds on a busy node, while the trials 
 and with fewer places than trials, the next one starts only once one ended. A group destroyed when
 its last member leaves is then started again for the next trial: a new coordinator process, its
 dataset index check and its probe, and the pieces prepared ahead for the leavers are lost. (Three
-trials of one group run one at a time: 8.1 s with a coordinator each, 6.7 s with one kept between
-them, measured one after the other on 2 cores.)
+trials of one group, one at a time: 8.8-9.0 s with a coordinator each, 7.3-7.4 s with one kept
+between them; two at a time: 5.7-5.9 s and 4.9 s. ``docs/scripts/sequential_trials.py``, before
+and after alternated, two runs each, 2 cores.)
 
 So when Tune reports a trial done and the searcher still holds or runs trials of the same group
 (``trial_done(keep=...)``), the registry keeps the group's coordinator and its kept pieces for
