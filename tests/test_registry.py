@@ -609,3 +609,59 @@ def test_a_group_starting_on_the_node_takes_a_kept_groups_share_and_a_failed_joi
         assert registry._lingering.timer(key) is None
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_kept_groups_under_random_joins_completions_and_deadlines(registry, seed):
+    """Safety after every step of a random schedule (joins, completions that keep or not, deadlines
+    passing, groups starting beside kept ones): a live group has a member or a deadline, a deadline
+    belongs to a live memberless group, a trial never gets a destroyed coordinator. Liveness: once
+    every trial completed, the timers alone, nobody else acting, leave nothing behind."""
+    import random
+
+    rng = random.Random(seed)
+    specs = [_spec(1), _spec(2)]
+
+    def check() -> None:
+        for key, group in registry._groups.items():
+            assert not group.actor.killed, f"a destroyed coordinator is still the group's: {key}"
+            assert registry._members.get(key) or registry._lingering.timer(key) is not None, \
+                f"group {key} has no member and no deadline: it would stay until the sweep's end"
+        for key in registry._lingering.keys():
+            assert key in registry._groups and not registry._members.get(key), f"a deadline without its group: {key}"
+
+    async def scenario() -> None:
+        registry._lingering.seconds = 3600.0  # deadlines pass when the schedule says (the "deadline" step)
+        joined: dict[str, DataSpec] = {}
+        done: set[str] = set()
+        for step in range(60):
+            action = rng.choice(["join", "join", "done", "deadline"])
+            if action == "join":
+                trial = f"t{rng.randrange(8)}"
+                if trial in done:
+                    continue
+                spec = joined.setdefault(trial, rng.choice(specs))
+                got = await registry.group_for(spec, trial, NODE)
+                assert not got.killed, f"step {step}: {trial} was handed a destroyed coordinator"
+            elif action == "done" and set(joined) - done:
+                trial = rng.choice(sorted(set(joined) - done))
+                keep = [s.group_key for s in specs if rng.random() < 0.5]
+                await registry.trial_done(trial, keep=keep)
+                done.add(trial)
+            elif action == "deadline" and registry._lingering.keys():
+                key = rng.choice(registry._lingering.keys())  # its deadline passes: what the timer then does
+                registry._lingering.cancel(key)
+                await registry._leave(None, key)
+            check()
+        for trial in sorted(set(joined) - done):  # the sweep's trials complete, keeping as they please
+            await registry.trial_done(trial, keep=[s.group_key for s in specs if rng.random() < 0.5])
+            check()
+        registry._lingering.seconds = 0.0
+        for key in registry._lingering.keys():  # the real timers from here on, due at once
+            registry._keep(key)
+        deadlines = [registry._lingering.timer(k) for k in registry._lingering.keys()]
+        await asyncio.wait_for(asyncio.gather(*deadlines), 10)  # a bound, not a sleep: they are due now
+        assert not registry._groups and not registry._members and not registry._lingering.keys()
+        assert all(c.killed for c in _Coordinator.made), "every coordinator destroyed, by its deadline at the latest"
+
+    asyncio.run(scenario())

@@ -25,10 +25,6 @@ import asyncio
 import logging
 from typing import Any, Awaitable, Callable
 
-import ray
-
-from coordinated_prep.naming import CALL_TIMEOUT_S
-
 logger = logging.getLogger("coordinated_prep.stream.registry")
 
 #: Seconds a memberless group is kept for the trials released to read it (a trial's process start
@@ -79,19 +75,13 @@ class Kept:
     """The registry's side (a part of :class:`~coordinated_prep.stream.registry.GroupRegistry`):
     keeping a group whose last member left, and dropping it."""
 
-    async def _keep(self: Any, trial: str, key: str, group: Any) -> None:
-        """``trial``, the group's last member, leaves its coordinator; the group is kept (under the key's lock)."""
-        try:
-            await asyncio.wait_for(group.actor.leave_trial.remote(trial), CALL_TIMEOUT_S)
-        except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
-            logger.warning("data group %s: trial %s could not leave cleanly: %r", key, trial, e)
-        self._lingering.start(key, lambda: self._leave(None, key))
-        logger.info("data group %s: no trial reads it; kept %.0f s for those released to", key, self._lingering.seconds)
-
-    def _keep_again(self: Any, key: str) -> None:
-        """A join that cancelled the group's deadline failed: the group, memberless again, gets a new one."""
+    def _keep(self: Any, key: str) -> None:
+        """Put ``key``'s group on a deadline if it exists with no member (its last trial left it, or
+        a join that cancelled its deadline failed)."""
         if key in self._groups and not self._members.get(key):
             self._lingering.start(key, lambda: self._leave(None, key))
+            logger.info("data group %s: no trial reads it; kept %.0f s for those released to", key,
+                        self._lingering.seconds)
 
     async def _drop_kept(self: Any, node: str) -> None:
         """Destroy ``node``'s kept groups: a group starting there needs their share of its budget."""

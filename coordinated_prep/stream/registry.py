@@ -195,7 +195,7 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports, PoolGrowth, Kept):
             except BaseException:
                 if added:
                     self._forget(trial, key)
-                    self._keep_again(key)
+                    self._keep(key)  # it may have cancelled a kept group's deadline
                 raise
             return group.actor
 
@@ -236,14 +236,12 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports, PoolGrowth, Kept):
             group = self._groups.get(key)
             if group is None or (trial is None and self._members.get(key)):
                 return
-            if self._members.get(key):
+            if self._members.get(key) or keep:  # the group lives on: the trial leaves its coordinator
                 try:
                     await asyncio.wait_for(group.actor.leave_trial.remote(trial), CALL_TIMEOUT_S)
                 except (ray.exceptions.RayError, asyncio.TimeoutError) as e:
                     logger.warning("data group %s: trial %s could not leave cleanly: %r", key, trial, e)
-                return
-            if keep:
-                return await self._keep(trial, key, group)
+                return self._keep(key)  # kept on a deadline if it has no member left
             del self._groups[key]
             await asyncio.shield(self._destroy(key, group))  # a cancelled caller must not leave it half-destroyed
         await self._split(group.node)
