@@ -84,11 +84,11 @@ def test_a_joiner_past_the_head_finishes_when_the_trials_before_it_leave(ray_ses
 def test_a_lone_trial_evaluating_longer_than_the_lease_is_not_detached(ray_session, small_dataset, tmp_path, warm_pool):
     baseline = plasma_objects()
     # The budget holds two pieces, so the lone trial's prefetched pieces fill it while it evaluates
-    # for three times the lease; nobody waits for a piece then, so nobody is detached.
+    # for twice the lease; nobody waits for a piece then, so nobody is detached.
     spec = _spec(small_dataset, staging_bytes=2 * PIECE, lease_s=0.3)
     searcher = CoordinatedSearcher(pool=warm_pool)
     analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0,
-                        config={"data": spec, "batch_size": 8, "epochs": tune.grid_search([1, 3]), "eval_s": 0.9,
+                        config={"data": spec, "batch_size": 8, "epochs": tune.grid_search([1, 3]), "eval_s": 0.6,
                                 "out": str(tmp_path)})
     [report] = searcher.group_reports().values()
     searcher.close()
@@ -186,19 +186,21 @@ def test_a_sweep_over_three_crop_sizes_costs_one_groups_processes_and_budget(ray
 
 def test_a_sweep_interrupted_mid_way_resumes_with_tuner_restore(ray_session, small_dataset, tmp_path, warm_pool):
     baseline = plasma_objects()
+    # Interrupted at the second result: the two running trials are mid-way (3 epochs each), and the
+    # restored searcher suggests the third.
     spec = _spec(small_dataset)
     searcher = CoordinatedSearcher(max_concurrent=2, pool=warm_pool)
     param_space = {"data": spec, "batch_size": 8, "epochs": 3, "checkpoint": True, "delay_s": 0.02,
-                   "score": tune.grid_search([1, 2, 3, 4]), "out": str(tmp_path / "records")}
+                   "score": tune.grid_search([1, 2, 3]), "out": str(tmp_path / "records")}
     run = tune.RunConfig(name="interrupted", storage_path=str(tmp_path / "results"), verbose=0,
-                         callbacks=[Interrupt(after=3, marker=str(tmp_path / "interrupted"))])
+                         callbacks=[Interrupt(after=2, marker=str(tmp_path / "interrupted"))])
     tuner = tune.Tuner(tune.with_resources(record, {"cpu": 0.25}), param_space=param_space,
                        tune_config=tune.TuneConfig(search_alg=searcher, metric="score", mode="max",
                                                    reuse_actors=True),  # a finished trial's process runs the next
                        run_config=run)
     try:
         interrupted = tuner.fit()
-        assert len(interrupted) < 4 or any(r.metrics.get("epoch", 0) < 3 for r in interrupted), "not interrupted"
+        assert len(interrupted) < 3 or any(r.metrics.get("epoch", 0) < 3 for r in interrupted), "not interrupted"
     except tune.TuneError:
         pass  # how an interrupted fit ends depends on the Ray version; either way its state was saved
     path = str(tmp_path / "results" / "interrupted")
@@ -208,7 +210,7 @@ def test_a_sweep_interrupted_mid_way_resumes_with_tuner_restore(ray_session, sma
                                  param_space=param_space, resume_unfinished=True).fit()
     searcher.close()  # the restored searcher found this session's registry: one close for both
     assert not results.errors, results.errors
-    assert len(results) == 4 and all(r.metrics["epoch"] == 3 for r in results)
+    assert len(results) == 3 and all(r.metrics["epoch"] == 3 for r in results)
     assert all(set(r.config) == set(param_space) for r in results), "the best config is reusable as it is"
     for trial, epochs in load_records(str(tmp_path / "records")).items():
         check_trial_records(spec, epochs, 8, trial)

@@ -209,7 +209,7 @@ def test_two_trials_of_two_train_workers_share_one_group_and_split_each_epoch(ra
 @pytest.mark.usefixtures("warm_pool")  # its pool's shape stays for the module's next sweep
 def test_a_rank_killed_mid_epoch_restarts_the_worker_group_with_exact_epochs(ray_session, small_dataset, tmp_path):
     spec = _spec(small_dataset)
-    gate = Gate.options(name="rank-checkpointed", namespace="coordinated_prep").remote()  # noqa: F841 (kept alive)
+    gate = Gate.options(name="rank-checkpointed", namespace="coordinated_prep").remote()
     searcher = CoordinatedSearcher(pool=PoolSpec(actors=1, cpus=0.5, keep_warm=True))
     analysis = tune.run(tune.with_resources(record_ranks, {"cpu": 0.1}), search_alg=searcher, verbose=0,
                         callbacks=[OpenOnResult("rank-checkpointed", epoch=1)],
@@ -217,6 +217,7 @@ def test_a_rank_killed_mid_epoch_restarts_the_worker_group_with_exact_epochs(ray
                                 "fault": "kill_rank", "max_failures": 1, "gate": "rank-checkpointed"})
     reports = searcher.group_reports()
     searcher.close()
+    del gate  # held until here: the killed rank waits on it
     assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
     assert (tmp_path / "killed-rank").exists(), "the fault was injected"
     [(trial, ranks)] = _load(str(tmp_path)).items()

@@ -10,6 +10,12 @@ own dataset cache directory (``COORDPREP_CACHE``): ``builtin:shapes`` then names
 each node, and node_b's copy holds one image more. The driver's runtime environment sets the
 session's cache for every worker instead, except in the test of differing copies, which connects
 without it.
+
+The first two sweeps share their prep actors (one per node, started once instead of twice): the
+first keeps them (``PoolSpec(keep_warm=True)``), the second starts on them and ends them, before the
+test of differing copies reconnects (which would end them: they are the driver's). The sweep that
+loses node_b starts a pool of its own, and keeps it at its close: its actor on the lost node is
+gone with it (a call to it raises ``ActorUnschedulableError``), and the others are kept.
 """
 
 from __future__ import annotations
@@ -31,13 +37,14 @@ from coordinated_prep.cache import CacheLayout, CacheSpec
 from coordinated_prep.cache.arena import arena_dir
 from coordinated_prep.plan import holdout_split
 from coordinated_prep.pipeline.sources import open_source, shapes
+from coordinated_prep.pool import warm
 from tests.conftest import REPO, live_coordprep_actors, own_ray
 from tests.harness import check_trial_records
 from tests.recording import Gate, load_records, record, record_ranks
 from tests.test_shared_index import _async_actor_logs_with
 from tests.utils import FileOpens, make_imagefolder
 
-EPOCHS = 3
+EPOCHS = 2
 WORKERS = ("node_a", "node_b")
 
 
@@ -98,7 +105,8 @@ def test_each_node_serves_its_own_trials_and_storage_is_read_once(cluster, small
     spec = _spec(small_dataset)
     source = open_source(small_dataset)
     train, _ = holdout_split(len(source), spec.holdout)
-    searcher = CoordinatedSearcher(cache=CacheSpec("32MiB"))  # the caches together hold the dataset
+    # The caches together hold the dataset; the next sweep starts on its prep actors (see the module's docstring).
+    searcher = CoordinatedSearcher(cache=CacheSpec("32MiB"), pool=PoolSpec(keep_warm=True))
     with FileOpens(small_dataset) as opens:
         analysis = tune.run(
             tune.with_resources(record, _pinned),
@@ -136,7 +144,7 @@ def test_each_node_serves_its_own_trials_and_storage_is_read_once(cluster, small
 def test_the_ranks_of_a_data_parallel_trial_on_two_nodes_read_their_own_nodes_coordinators(
         cluster, small_dataset, tmp_path):
     spec = _spec(small_dataset)
-    searcher = CoordinatedSearcher(pool=PoolSpec(decoded_fraction=0))
+    searcher = CoordinatedSearcher(pool=PoolSpec(decoded_fraction=0))  # on the kept actors, ending them
     analysis = tune.run(tune.with_resources(record_ranks, {"cpu": 0.1}), search_alg=searcher, verbose=0,
                         config={"data": spec, "workers": 2, "batch_size": 8, "epochs": 2, "out": str(tmp_path),
                                 "placement": "STRICT_SPREAD", "cpu_per_worker": 0.25})
@@ -164,6 +172,7 @@ def test_the_ranks_of_a_data_parallel_trial_on_two_nodes_read_their_own_nodes_co
 
 def test_copies_that_differ_between_nodes_are_refused_naming_both(cluster, tmp_path):
     c, nodes = cluster
+    warm.release()  # its pool must not start on kept actors: they carry the session's cache
     try:
         _connect(c, shared_cache=False)  # each node's workers see their raylet's cache
         spec = DataSpec(dataset="builtin:shapes", pipeline={"size": 24}, chunk_size=8, segments=2)
@@ -198,7 +207,9 @@ def test_a_node_leaving_mid_sweep_sends_its_part_back_to_storage_and_the_others_
     gate = Gate.options(name="gate", namespace="coordinated_prep", scheduling_strategy=NodeAffinitySchedulingStrategy(
         ray.get_runtime_context().get_node_id(), soft=False)).remote()
     # The raw caches alone: a decoded tier would spare the later epochs the reads this test counts.
-    searcher = CoordinatedSearcher(cache=CacheSpec("32MiB"), pool=PoolSpec(decoded_fraction=0))
+    # Its prep actors are kept at its close: the lost node's with it are gone, and killing them must
+    # neither raise nor leave the others unkept (Ray answers them ActorUnschedulableError).
+    searcher = CoordinatedSearcher(cache=CacheSpec("32MiB"), pool=PoolSpec(decoded_fraction=0, keep_warm=True))
     lost = nodes["node_b"].node_id
 
     def remove_node_b() -> None:  # once both trials (one per node) have finished their first epoch, and wait
@@ -218,6 +229,8 @@ def test_a_node_leaving_mid_sweep_sends_its_part_back_to_storage_and_the_others_
         remover.join(timeout=60)
         caches = searcher.cache_reports()
     searcher.close()
+    assert set(warm.kept()) == {node["NodeID"] for node in ray.nodes() if node["Alive"]} and lost not in warm.kept()
+    warm.release()
     ray.kill(gate)
     for path in glob.glob(f"{arena_dir()}/coordprep-{searcher.session}-*"):  # the lost node's, on this machine
         os.unlink(path)
@@ -252,6 +265,7 @@ def test_a_lending_pool_holds_its_shares_of_cpus_on_its_own_node_and_gives_them_
 
     _, nodes = cluster
     node = nodes["node_a"].node_id
+    warm.release()  # no kept prep actor holds node_a's CPUs, whatever ran before
     pool = NodePool(node, 2.0, 200 * 2**20, PoolSpec(decoded_fraction=0), None)
     try:
         assert pool.lends and pool.growth.shares == len(pool.shares) == 1 and pool.reserved_cpus == 0.5

@@ -32,16 +32,18 @@ from tests.recording import load_records
 
 PIECE = 8 * 3 * 24 * 24  # bytes of one piece of 8 samples at 24 px
 
-SCHEDULERS = {
+SCHEDULERS = {  # (scheduler, scores: one trial each, cpu per trial, epochs)
     # Four trials, two at a time (cpu 0.5; the pool takes one of the two CPUs): PBT pauses the worst
     # quarter to exploit the best, and Tune pauses some to run others, so trials come and go all the
     # time and overlap little.
     "pbt": ("{type: pbt, perturbation_interval: 1, quantile_fraction: 0.25, "
-            "hyperparam_mutations: {score: {choice: [1, 2, 3, 4]}}}", [1, 2, 3, 4], 0.5),
-    # Six trials at once: HyperBand (max_t 4, factor 2) puts the first three in a bracket that runs
-    # them to the end and the next three in one that pauses each at iteration 2 until all three got
-    # there, then stops the worse.
-    "hyperband": ("{type: hyperband, max_t: 4, reduction_factor: 2}", [1, 2, 3, 4, 5, 6], 0.125),
+            "hyperparam_mutations: {score: {choice: [1, 2, 3, 4]}}}", [1, 2, 3, 4], 0.5, 4),
+    # Five trials at once, the fewest with a bracket that both stops a trial and resumes a paused one:
+    # HyperBand (max_t 3, factor 2.5) puts the first two in a bracket that runs them to the end and
+    # the next three in one that pauses each at iteration 1 until all three got there, then stops the
+    # worst and runs the best two on to iteration 2 (at least one of them was paused: only the last
+    # to get there runs on without a pause), where it stops them.
+    "hyperband": ("{type: hyperband, max_t: 3, reduction_factor: 2.5}", [1, 2, 3, 4, 5], 0.125, 3),
 }
 
 
@@ -52,7 +54,7 @@ pytestmark = pytest.mark.usefixtures("warm_pool")  # each scheduler's sweep star
 def sweep(request, ray_session, small_dataset, tmp_path_factory):
     """``(scheduler, config, summary, records, leaked)`` of one recorded sweep under the scheduler."""
     name = request.param
-    scheduler, scores, cpu = SCHEDULERS[name]
+    scheduler, scores, cpu, epochs = SCHEDULERS[name]
     tmp = tmp_path_factory.mktemp(name)
     path = tmp / f"{name}.yaml"
     path.write_text(textwrap.dedent(f"""
@@ -64,7 +66,7 @@ def sweep(request, ray_session, small_dataset, tmp_path_factory):
         pool: {{keep_warm: true}}
         search_space:
           batch_size: 8
-          epochs: 4
+          epochs: {epochs}
           checkpoint: true
           delay_s: 0.01
           write: true
@@ -93,7 +95,7 @@ def test_the_scheduler_did_its_work_and_every_trials_epochs_are_exact(sweep):
             exploits = [line for line in f if line.strip()]  # Tune's PBT logs one line per exploit
         assert len(exploits) >= 1
     else:
-        assert any(t["epochs"] < 4 for t in summary["trials"]), "HyperBand stopped some trials early"
+        assert any(t["epochs"] < SCHEDULERS[name][3] for t in summary["trials"]), "HyperBand stopped some trials early"
     assert len(records) == len(summary["trials"])
     for trial, epochs in records.items():
         check_trial_records(cfg.data, epochs, 8, trial)  # a resumed or exploited trial's epochs are exact too

@@ -70,8 +70,17 @@ def _spec(name: str, **overrides) -> DataSpec:
     return DataSpec(**{**PIPELINES[name], "seed": 3, "chunk_size": 16, "segments": 4, "holdout": 0.1, **overrides})
 
 
+FAILING = {
+    # A transform that draws from its own generator: the seed cannot reach it.
+    "unseedable": _spec("cifar_v2", transform=v2.Compose([v2.ToImage(), OwnGenerator()])),
+    # A piece of 16 float 32 px is ~196 kB (another seed: a group of its own).
+    "too_big": _spec("cifar_v2", staging_bytes=4096, seed=4),
+}
+
+
 def record_any(config: dict) -> None:
     """Save per epoch the indices, stream epochs and a digest of every sample (all its leaves)."""
+    config = {**config, **config["trial"]}  # data and batch size, grid-searched together
     out = os.path.join(config["out"], tune.get_context().get_trial_id())
     os.makedirs(out, exist_ok=True)
     loader = train_loader(config, batch_size=config["batch_size"], epochs=EPOCHS)
@@ -116,29 +125,52 @@ def _reference_eval(spec: DataSpec) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def pipelines_sweep(ray_session, tmp_path_factory, warm_pool):
-    """One sweep of every user pipeline, two trials each (batch sizes 8 and 12): six data groups."""
+def ray_datasets(ray_session):
+    """The module's two ray.data pipelines, materialized in the driver one after the other: the second
+    runs on the worker process the first started (it imports torch for the rows' function), not anew."""
+    return ray_rows(100).materialize(), ray_rows(60).materialize()
+
+
+@pytest.fixture(scope="module")
+def pipelines_sweep(ray_session, ray_datasets, tmp_path_factory, warm_pool):
+    """One sweep of every user pipeline, two trials each (batch sizes 8 and 12): six data groups; and
+    one trial of each FAILING spec (two groups more), which must fail at its start. Those are listed
+    last, so the processes they end (a failed trial's is not reused) are seldom needed again. Two
+    trials at a time, each group's together: two processes, reused (starting one costs more than a
+    trial here)."""
     out = str(tmp_path_factory.mktemp("pipelines"))
     specs = {name: _spec(name) for name in PIPELINES}
-    # A ray.data pipeline, materialized here in the driver (it needs Ray), its rows spilled once per node.
-    specs["ray_data"] = DataSpec(dataset=ray_rows(100).materialize(), transform=ray_pair, seed=3, chunk_size=16,
-                                 segments=4, holdout=0.1)
+    # A ray.data pipeline, materialized in the driver (it needs Ray), its rows spilled once per node.
+    specs["ray_data"] = DataSpec(dataset=ray_datasets[0], transform=ray_pair, seed=3, chunk_size=16, segments=4,
+                                 holdout=0.1)
+    runs = [{"data": spec, "batch_size": b} for spec in specs.values() for b in (8, 12)]
+    runs += [{"data": spec, "batch_size": 8} for spec in FAILING.values()]
     searcher = CoordinatedSearcher(pool=PoolSpec(actors=2, keep_warm=True))
-    analysis = tune.run(tune.with_resources(record_any, {"cpu": 0.25}),
-                        config={"data": tune.grid_search(list(specs.values())), "batch_size": tune.grid_search([8, 12]),
-                                "out": out}, search_alg=searcher, reuse_actors=True, verbose=0)
+    analysis = tune.run(tune.with_resources(record_any, {"cpu": 0.5}),
+                        config={"trial": tune.grid_search(runs), "out": out}, search_alg=searcher, reuse_actors=True,
+                        verbose=0, raise_on_failed_trial=False)
     reports = searcher.group_reports()
     searcher.close()
-    return specs, analysis, reports, out, live_coordprep_actors()
+    failing = {spec.group_key: name for name, spec in FAILING.items()}
+    errors = {}  # the error file's text of each FAILING spec's trial
+    for trial in analysis.trials:
+        name = failing.get(trial.config["trial"]["data"].group_key)
+        if name is not None:
+            assert trial.status == "ERROR", name
+            with open(trial.error_file) as f:
+                errors[name] = f.read()
+    assert sorted(errors) == sorted(FAILING)
+    trials = [t for t in analysis.trials if t.config["trial"]["data"].group_key not in failing]
+    return specs, trials, reports, out, live_coordprep_actors(), errors
 
 
 @pytest.mark.parametrize("name", [*PIPELINES, "ray_data"])
 def test_user_pipelines_share_exact_epochs_with_the_unshared_bytes(pipelines_sweep, name):
-    specs, analysis, reports, out_dir, left = pipelines_sweep
-    assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
+    specs, every, reports, out_dir, left, _ = pipelines_sweep
+    assert all(t.status == "TERMINATED" for t in every), [t.error_file for t in every]
     spec = specs[name]
     report = reports[spec.group_key]
-    trials = [t for t in analysis.trials if t.config["data"].group_key == spec.group_key]
+    trials = [t for t in every if t.config["trial"]["data"].group_key == spec.group_key]
     assert len(trials) == 2
     pipeline = make_pipeline(spec)
     train = train_indices(len(pipeline), spec.holdout)
@@ -158,7 +190,7 @@ def test_user_pipelines_share_exact_epochs_with_the_unshared_bytes(pipelines_swe
     assert report["samples_served"] == served, report
     # Each piece from the first trial's start to the later one's end prepared once, wherever the
     # second trial joined (shared from its start on). Had the first one left before the second began
-    # (a slot freed late: 8 trials, 4 at a time), each had a coordinator and a stream of its own.
+    # (a slot freed late: 14 trials, 2 at a time), each had a coordinator and a stream of its own.
     starts = list(report["starts"].values())
     if report["coordinators"] == 1:
         want = stream_samples(starts, EPOCHS, len(train), spec.chunk_size)
@@ -176,13 +208,13 @@ def test_a_streamed_dataset_s_shards_are_each_read_once_for_the_whole_sweep(pipe
     assert reads(dataset.log_path) == [1] * dataset.n_shards
 
 
-def test_a_materialized_ray_dataset_gives_the_batches_of_its_rows_map_style_read_once_per_node(ray_session):
+def test_a_materialized_ray_dataset_gives_the_batches_of_its_rows_map_style_read_once_per_node(ray_datasets):
     from ray import cloudpickle
 
     common = dict(seed=4, chunk_size=8, segments=2, holdout=0.2, coordinated=False)
     with pytest.raises(ConfigError, match=r"is lazy: .*materialize it in the driver before the sweep"):
         DataSpec(dataset=ray_rows(60), transform=ray_pair, **common)
-    streamed = DataSpec(dataset=ray_rows(60).materialize(), transform=ray_pair, **common)
+    streamed = DataSpec(dataset=ray_datasets[1], transform=ray_pair, **common)
     assert repr(streamed.dataset) == "StreamedShards(ray.data.Dataset, 1 shards)"
     rows = list(streamed.dataset.source.shard(1, 0))  # in the blocks' order, which materialize() chose
     twin = DataSpec(dataset=ArrayDataset(np.stack([r["image"] for r in rows]), np.array([r["label"] for r in rows])),
@@ -196,30 +228,10 @@ def test_a_materialized_ray_dataset_gives_the_batches_of_its_rows_map_style_read
         .preserve_order, "the user's dataset is left as it was"
 
 
-FAILING = {
-    # A transform that draws from its own generator: the seed cannot reach it.
-    "unseedable": _spec("cifar_v2", transform=v2.Compose([v2.ToImage(), OwnGenerator()])),
-    # A piece of 16 float 32 px is ~196 kB (another seed: a group of its own).
-    "too_big": _spec("cifar_v2", staging_bytes=4096, seed=4),
-}
-
-
 @pytest.fixture(scope="module")
-def failed_trials(ray_session, tmp_path_factory):
-    """The error file's text of each trial of one sweep whose every trial must fail at its start."""
-    searcher = CoordinatedSearcher(pool=PoolSpec(keep_warm=True))
-    analysis = tune.run(tune.with_resources(record_any, {"cpu": 0.25}),
-                        config={"data": tune.grid_search(list(FAILING.values())), "batch_size": 8,
-                                "out": str(tmp_path_factory.mktemp("failing"))}, search_alg=searcher,
-                        verbose=0, raise_on_failed_trial=False)
-    searcher.close()
-    texts = {}
-    for trial in analysis.trials:
-        assert trial.status == "ERROR"
-        with open(trial.error_file) as f:
-            texts["too_big" if trial.config["data"].staging_bytes == 4096 else "unseedable"] = f.read()
-    assert sorted(texts) == sorted(FAILING)
-    return texts
+def failed_trials(pipelines_sweep):
+    """The error file's text of each FAILING spec's trial (in the sweep above)."""
+    return pipelines_sweep[-1]
 
 
 def test_a_transform_that_cannot_be_seeded_fails_the_trials_start_with_the_reason(failed_trials):

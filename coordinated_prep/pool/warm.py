@@ -150,8 +150,8 @@ def _kill(actors: list[Any]) -> None:
     for ref in gone:
         try:
             ray.get(ref, timeout=_GONE_S + _ANSWER_S)
-        except ray.exceptions.RayActorError:
-            continue  # dead: its CPUs are back
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError):
+            continue  # dead, or its node is gone (the actor with it): its CPUs are back
         except ray.exceptions.GetTimeoutError:
             pass
         logger.warning("a killed prep actor was still alive after %.0f s", _GONE_S)
