@@ -60,6 +60,7 @@ class PrepActor:
         self._buffer = ReusedBuffer()
         self.reset(cache, tier)
 
+    @ray.method(max_task_retries=0)  # its failure is the answer: never sent again to a restarted actor
     def until_killed(self, timeout_s: float) -> None:
         """Returns after ``timeout_s``: sent just before ``ray.kill``, it fails once this actor's process
         is gone, which is how its killer waits for that (:func:`coordinated_prep.pool.warm._kill`)."""
