@@ -43,14 +43,14 @@ def test_a_straggler_is_detached_after_the_lease_and_keeps_exact_epochs(ray_sess
     baseline = plasma_objects()
     # The budget holds two pieces. The slow trial starts first, so the fast one runs beside it and
     # fills the budget within a few batches; from then on production stays blocked for the whole of
-    # each slow step (0.4 s), which is longer than the lease (0.25 s), so the slow trial is detached
+    # each slow step (0.6 s), which is longer than the lease (0.25 s), so the slow trial is detached
     # early in its first epoch, not by an incidental pause near its end. The fast trial's steps (0.1 s,
     # 2 epochs) keep it reading beside the slow one for seconds, well under the lease each.
     spec = _spec(small_dataset, staging_bytes=2 * 8 * 3 * 32 * 32, lease_s=0.25)
-    # Once detached, the straggler reads on without its delay: the rest of its epochs take no 0.4 s steps.
+    # Once detached, the straggler reads on without its delay: the rest of its epochs take no 0.6 s steps.
     loaders: dict = {}
     analysis, reports = _run({"data": spec, "batch_size": 8, "epochs": 2, "delay_while_shared": True,
-                              "delay_s": tune.grid_search([0.4, 0.1])}, tmp_path, warm_pool, loaders)
+                              "delay_s": tune.grid_search([0.6, 0.1])}, tmp_path, warm_pool, loaders)
     assert all(t.status == "TERMINATED" for t in analysis.trials), [t.error_file for t in analysis.trials]
     [report] = reports.values()
     assert report["evictions"] >= 1 and report["peak_staged_bytes"] <= spec.staging_bytes

@@ -229,11 +229,12 @@ def test_a_node_leaving_mid_sweep_sends_its_part_back_to_storage_and_the_others_
         remover.join(timeout=60)
         caches = searcher.cache_reports()
     searcher.close()
-    assert set(warm.kept()) == {node["NodeID"] for node in ray.nodes() if node["Alive"]} and lost not in warm.kept()
+    kept, alive = set(warm.kept()), {node["NodeID"] for node in ray.nodes() if node["Alive"]}
     warm.release()
     ray.kill(gate)
     for path in glob.glob(f"{arena_dir()}/coordprep-{searcher.session}-*"):  # the lost node's, on this machine
         os.unlink(path)
+    assert kept == alive and lost not in kept, (kept, alive)  # the lost node's actors gone, the others kept
     by_node = {n: [t for t in analysis.trials if t.config["node"] == n] for n in WORKERS}
     assert all(t.status == "TERMINATED" for t in by_node["node_a"]), [t.error_file for t in by_node["node_a"]]
     assert len(by_node["node_a"]) == len(by_node["node_b"]) == 1

@@ -52,10 +52,12 @@ def groups_sweep(ray_session, small_dataset, tmp_path_factory, warm_pool):
         tune_config=tune.TuneConfig(search_alg=searcher),
         run_config=tune.RunConfig(verbose=0, storage_path=str(out / "results")),
     )
-    results = tuner.fit()
+    try:  # closed whatever happens: a live registry would fail every later test's leak checks
+        results = tuner.fit()
+        reports = searcher.group_reports()
+    finally:
+        searcher.close()
     assert not results.errors, results.errors
-    reports = searcher.group_reports()
-    searcher.close()
     return SimpleNamespace(a=a, b=b, results=results, reports=reports, records=load_records(str(out / "records")),
                            baseline=baseline)
 
@@ -176,9 +178,11 @@ def one_at_a_time(ray_session, small_dataset, tmp_path_factory, warm_pool):
                        param_space={"case": tune.grid_search(cases), "epochs": 1, "out": str(tmp / "records")},
                        tune_config=tune.TuneConfig(search_alg=searcher, max_concurrent_trials=1, reuse_actors=True),
                        run_config=tune.RunConfig(verbose=0, storage_path=str(tmp / "results")))
-    results = tuner.fit()
-    reports = searcher.group_reports()
-    searcher.close()
+    try:  # closed whatever happens: a live registry would fail every later test's leak checks
+        results = tuner.fit()
+        reports = searcher.group_reports()
+    finally:
+        searcher.close()
     yield SimpleNamespace(spec=spec, dali=dali, corrupt=corrupt, results=results, reports=reports,
                           out=str(tmp / "records"), victim=victim, baseline=baseline)
     shutil.rmtree(root)
