@@ -81,7 +81,10 @@ def _serve_http(folder: str, log: str):
         def log_message(self, *args):  # quiet: the count is in the log file
             pass
 
-    return ThreadingHTTPServer(("127.0.0.1", 0), partial(Counting, directory=folder))
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 256  # as a store takes many requests at once (socketserver's 5 drops connections)
+
+    return Server(("127.0.0.1", 0), partial(Counting, directory=folder))
 
 
 def _serve_s3(log: str):

@@ -1,6 +1,7 @@
-"""Tar shards in object storage: real servers on loopback (HTTP, and moto's S3), counted on the
-server's side. Each shard is fetched once per node, however many processes open the dataset; a
-shard that cannot be fetched is retried a bounded number of times and then named."""
+"""Tar shards in object storage (and, over S3, Parquet and an ImageFolder of raw files): real servers
+on loopback (HTTP, and moto's S3), counted on the server's side. Each shard is fetched once per node,
+however many processes open the dataset; a shard that cannot be fetched is retried a bounded number
+of times and then named."""
 
 from __future__ import annotations
 
@@ -231,8 +232,8 @@ def test_an_opener_waiting_for_a_hung_holder_gives_up_naming_the_lock_and_never_
         assert _gets(server)["/shard-000000.tar"] == 1, "the waiter that gave up fetched nothing"
 
 
-def test_shards_in_an_s3_compatible_store_read_with_credentials_from_the_environment(shards, node_cache, tmp_path,
-                                                                                   monkeypatch):
+def test_shards_parquet_and_raw_files_in_an_s3_compatible_store_read_with_credentials_from_the_environment(
+        shards, node_cache, tmp_path, monkeypatch, small_dataset):
     import s3fs
 
     with Server("s3", str(tmp_path / "s3.log")) as server:
@@ -264,6 +265,15 @@ def test_shards_in_an_s3_compatible_store_read_with_credentials_from_the_environ
         fetched = {p: n - before.get(p, 0) for p, n in _gets(server).items() if "/parquet/" in p}
         assert fetched == {"/photos/parquet/coordprep-parquet.json": 1, "/photos/parquet/part-00000.parquet": 1,
                            "/photos/parquet/part-00001.parquet": 1}, fetched
+
+        store.put(small_dataset, "photos/raw", recursive=True)  # the same samples as raw files, an ImageFolder
+        raw = open_source.__wrapped__("s3://photos/raw")
+        images = open_source.__wrapped__(small_dataset)
+        assert raw.classes == images.classes and np.array_equal(raw.labels, images.labels)
+        assert raw.read_many(list(range(len(images)))) == [images.read(i) for i in range(len(images))]
+        assert open_source.__wrapped__("s3://photos/raw/").read(5) == images.read(5)  # the node's copy
+        fetched = {p: n - before.get(p, 0) for p, n in _gets(server).items() if "/raw/" in p}
+        assert len(fetched) == len(images) and set(fetched.values()) == {1}, "one GET per file and node"
         s3fs.S3FileSystem.clear_instance_cache()
 
 

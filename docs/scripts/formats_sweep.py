@@ -8,8 +8,8 @@ epoch, a 5 ms step per batch), on a Ray instance started once; the sweep's time 
 start and close (the pool's start included). Local runs follow an eviction of the format's files from
 the page cache. Remote runs read the tar shards, and the Parquet dataset by its manifest's URL, from
 ``tests/servers.py``'s HTTP server on loopback, which answers every request ``--latency-ms`` late and
-counts them; the node's shard cache is emptied before each run. Raw files cannot be read from a URL
-yet, so they run from local disk only.
+counts them; the node's shard cache is emptied before each run. Raw files are read from the same
+server as an ImageFolder URL: one GET per file and node (``pipeline/sources/remote_folder.py``).
 
     PYTHONPATH=. .venv/bin/python docs/scripts/formats_sweep.py --trials 1 8 --latency-ms 10 50
 """
@@ -80,6 +80,7 @@ def main() -> None:
     parquet = convert_imagefolder(photos, os.path.join(work, "parquet")).out
     tar = convert_to_tar(photos, os.path.join(work, "tar"), shard_size=64).out
     shards = sorted(glob.glob(os.path.join(tar, "*.tar")))
+    os.symlink(photos, os.path.join(work, "raw"))  # served as an ImageFolder URL
     pattern = "shard-{%s..%s}.tar" % (os.path.basename(shards[0])[6:12], os.path.basename(shards[-1])[6:12])
     local = {"raw files": (photos, glob.glob(os.path.join(photos, "*", "*"))),
              "Parquet": (parquet, glob.glob(os.path.join(parquet, "*"))),
@@ -97,14 +98,16 @@ def main() -> None:
                   f"{r['first_batch_s'][0]:.1f} s, {r['first_batch_s'][1]:.1f} s | - | - |", flush=True)
         for latency in args.latency_ms:
             os.environ["COORDPREP_SERVER_LATENCY_MS"] = str(latency)
-            for name, path in (("tar shards", f"tar/{pattern}"), ("Parquet", "parquet/coordprep-parquet.json")):
+            for name, path in (("raw files", "raw/"), ("tar shards", f"tar/{pattern}"),
+                               ("Parquet", "parquet/coordprep-parquet.json")):
                 log = os.path.join(work, f"requests-{n}-{latency:g}-{name[:3]}")
                 with Server("http", log, work) as server:
                     shutil.rmtree(shard_cache_dir(), ignore_errors=True)
                     r = run(f"{server.url}/{path}", n)
                     asked = server.requests()
                 gets = [p for (method, p), k in asked.items() for _ in range(k) if method == "GET"]
-                fetched = sum(os.path.getsize(os.path.join(work, p.lstrip("/"))) for p in gets) / 2**20
+                files = [os.path.join(work, p.lstrip("/")) for p in gets]
+                fetched = sum(os.path.getsize(f) for f in files if os.path.isfile(f)) / 2**20  # listings apart
                 print(f"| {name} | HTTP, {latency:g} ms a request | {n} | {r['wall_s']:.1f} s | "
                       f"{r['samples_per_s']:,.0f} | {r['first_batch_s'][0]:.1f} s, {r['first_batch_s'][1]:.1f} s | "
                       f"{sum(asked.values())} ({len(gets)} GET) | {fetched:.0f} |", flush=True)

@@ -1,0 +1,263 @@
+"""An ImageFolder in object storage (``s3://bucket/photos/``, ``http://host/photos/``): raw files, each
+fetched once per node.
+
+The layout is torchvision's ImageFolder, ``<url>/<class>/**/<file>``, with a local folder's image
+extensions. Opening lists the tree (on S3 one paged listing of the prefix; over HTTP one request per
+folder, reading the server's directory pages) and indexes it as ImageFolder walks a local copy:
+classes sorted, and in each class the files sorted by folder, then by name. So index ``i`` names the
+same file as a local ImageFolder of the same tree, and the same bytes.
+
+Reading (:meth:`RemoteFolderSource.read_many`, a piece at a time): the files this node has no copy of
+are fetched together (fsspec's ``cat``: concurrent requests, so a piece of 256 files costs a few
+round trips, not 256), each into the node's shard cache (``$COORDPREP_CACHE/shards/folder-<key>/``).
+Every process of the node, every later epoch and every later sweep read the local copy: one GET per
+file and node for the whole sweep (CoorDL's argument for a node cache). One process of the node
+fetches a given file: it holds the copy's ``flock`` while it fetches (taken without waiting, for
+every missing file of the piece at once); the files another process holds are waited for only
+after this process has released its own (so no wait forms a cycle; each wait is bounded by
+:data:`~coordinated_prep.pipeline.sources.remote.LOCK_WAIT_S`), then read from the copy, or fetched
+here if that holder failed. A copy is written to ``<copy>.part`` and renamed, so it exists whole or
+not at all.
+
+Failures: a file the store says does not exist (listed at opening, deleted since) is that sample's
+:class:`~coordinated_prep.errors.SampleError`, skipped as a corrupt image is. Any other failure is
+retried, at most :data:`~coordinated_prep.pipeline.sources.remote.ATTEMPTS` fetches in all with a
+backoff, then raised as a :class:`~coordinated_prep.errors.DatasetError` naming the URLs and the fix.
+
+Versions: a copy is named after its URL and, where the listing gives them (S3), the file's size and
+ETag, so a file replaced at its URL is fetched again. An HTTP directory page gives neither: delete
+the folder's copy (``folder-<key>``) to read such files again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import posixpath
+import time
+import urllib.parse
+from typing import Any, Sequence
+
+import numpy as np
+
+from coordinated_prep.errors import DatasetError, SampleError
+from coordinated_prep.pipeline.sources import remote
+from coordinated_prep.pipeline.sources.folder_index import IMAGE_EXTENSIONS
+
+logger = logging.getLogger(__name__)
+
+_FIX = ("check the URL and that the credentials (AWS_* variables, ~/.aws; AWS_ENDPOINT_URL for an S3-compatible "
+        "server) reach every node")
+
+
+def is_remote_folder(dataset: str) -> bool:
+    """Whether ``dataset`` is a URL of a folder: neither a tar pattern, nor a ``.tar``, nor a Parquet
+    manifest (tar shards or an ImageFolder: :func:`open_remote_folder` lists it to tell)."""
+    from coordinated_prep.pipeline.sources.tar_shards import is_tar_pattern
+
+    return (remote.is_url(dataset) and not dataset.startswith("file://") and not is_tar_pattern(dataset)
+            and not dataset.endswith((".tar", ".json")))
+
+
+def open_remote_folder(url: str) -> Any:
+    """The dataset a folder URL holds: tar shards if ``*.tar`` files lie at its top (as a local folder
+    of shards), otherwise an ImageFolder (:class:`RemoteFolderSource`).
+
+    Raises:
+        DatasetError: The folder cannot be listed, or holds neither (names the URL and what it may hold).
+    """
+    fs, root = remote._filesystem(url)
+    root = root.rstrip("/")
+    try:
+        top = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        top = []
+    except Exception as e:  # each filesystem raises its own errors (ClientError, aiohttp's, OSError)
+        raise DatasetError(f"dataset {url!r}: cannot list it ({e!r}); {_FIX}") from e
+    files = [e["name"].rsplit("/", 1)[-1] for e in top if e["type"] != "directory"]
+    if "coordprep-parquet.json" in files:
+        raise DatasetError(f"dataset {url!r} holds no *.tar shards; a Parquet dataset in object storage is named by "
+                           f"its manifest's URL ({url.rstrip('/')}/coordprep-parquet.json)")
+    if any(name.endswith(".tar") for name in files):
+        from coordinated_prep.pipeline.sources.tar_shards import TarShardSource
+
+        return TarShardSource(url if url.endswith("/") else url + "/")
+    if not any(e["type"] == "directory" for e in top):
+        raise DatasetError(f"dataset {url!r} holds no class folders and no *.tar shards: a folder in object storage "
+                           "is read as an ImageFolder (<url>/<class>/<image>) or as WebDataset tar shards (*.tar at "
+                           "its top); a Parquet dataset is named by its manifest's URL (.../coordprep-parquet.json)")
+    return RemoteFolderSource(url, fs=fs)
+
+
+class RemoteFolderSource:
+    """The raw files of an ImageFolder at ``url`` (see the module docstring).
+
+    Args:
+        url: The folder's URL (``s3://bucket/photos``, ``http://host/photos/``).
+        fs: Its fsspec filesystem (default: the one the URL names).
+
+    Raises:
+        DatasetError: The folder cannot be listed, has no class folders, or a class has no images.
+    """
+
+    def __init__(self, url: str, fs: Any = None) -> None:
+        self.fs, root = (fs, remote._filesystem(url)[1]) if fs is not None else remote._filesystem(url)
+        root = root.rstrip("/")
+        self.root = url
+        try:
+            found = self.fs.find(root, detail=True)
+        except Exception as e:
+            raise DatasetError(f"dataset {url!r}: cannot list it ({e!r}); {_FIX}") from e
+        files, ignored = [], []
+        for path, info in found.items():
+            relative = _relative(path, root)
+            if "/" not in relative:
+                continue  # a file at the top belongs to no class (ImageFolder ignores it too)
+            if not relative.lower().endswith(IMAGE_EXTENSIONS):
+                ignored.append(relative)
+                continue
+            folder, name = posixpath.split(relative)
+            files.append((folder.split("/", 1)[0], folder, name, path, info))
+        if ignored:
+            logger.warning("dataset %s: ignoring %d file(s) without an image extension %s, e.g. %s", url, len(ignored),
+                           list(IMAGE_EXTENSIONS), ignored[0])
+        if not files:
+            raise DatasetError(f"dataset {url!r}: no images in class folders (<url>/<class>/<image>, extensions "
+                               f"{list(IMAGE_EXTENSIONS)}); check the URL")
+        files.sort(key=lambda f: (f[0], f[1], f[2]))
+        self.classes: tuple[str, ...] = tuple(sorted({f[0] for f in files}))
+        label = {c: k for k, c in enumerate(self.classes)}
+        self.labels = np.asarray([label[f[0]] for f in files], dtype=np.int64)
+        self._paths = [f[3] for f in files]
+        key = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+        self.folder = os.path.join(remote.shard_cache_dir(), f"folder-{key}")
+        os.makedirs(self.folder, exist_ok=True)
+        self._copies = [os.path.join(self.folder, _copy_name(f[3], f[4])) for f in files]
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    def describe(self, index: int) -> str:
+        """The URL of sample ``index``."""
+        return self.fs.unstrip_protocol(self._paths[index])
+
+    def read(self, index: int) -> bytes:
+        """The bytes of sample ``index`` (fetched first if this node has no copy)."""
+        (data,) = self.read_many([index])
+        if isinstance(data, SampleError):
+            raise data
+        return data
+
+    def read_many(self, indices: Sequence[int]) -> list[bytes | SampleError]:
+        """Per index, in order, its bytes or its :class:`SampleError`; the missing files fetched together.
+
+        Raises:
+            DatasetError: A file could not be fetched in ``ATTEMPTS`` attempts (names it and the fix).
+        """
+        got: dict[int, bytes | SampleError] = {}
+        for i in dict.fromkeys(indices):
+            data = _local(self._copies[i])
+            if data is not None:
+                got[i] = data
+        missing = [i for i in dict.fromkeys(indices) if i not in got]
+        if missing:
+            got.update(self._fetch(missing))
+        return [got[i] for i in indices]
+
+    def _fetch(self, indices: list[int]) -> dict[int, bytes | SampleError]:
+        """Fetch ``indices``' files under their copies' locks: those free now at once, then the rest."""
+        mine: dict[int, Any] = {}
+        others = []
+        for i in indices:
+            lock = open(self._copies[i] + ".lock", "a+b")
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                mine[i] = lock
+            except BlockingIOError:
+                lock.close()
+                others.append(i)
+        got: dict[int, bytes | SampleError] = {}
+        try:
+            for i in mine:  # a holder that was just done left its copy
+                data = _local(self._copies[i])
+                if data is not None:
+                    got[i] = data
+            got.update(self._download([i for i in mine if i not in got]))
+        finally:
+            for lock in mine.values():
+                fcntl.flock(lock, fcntl.LOCK_UN)
+                lock.close()
+        for i in others:  # another process of the node is fetching it: wait for it, holding nothing
+            with remote.node_lock(self._copies[i] + ".lock", f"file {self.describe(i)}"):
+                data = _local(self._copies[i])
+                got.update({i: data} if data is not None else self._download([i]))  # that holder failed
+        return got
+
+    def _download(self, indices: list[int]) -> dict[int, bytes | SampleError]:
+        """Fetch ``indices``' files (the caller holds their locks), all at once, retrying the failed ones."""
+        got: dict[int, bytes | SampleError] = {}
+        errors: dict[int, BaseException] = {}
+        left = indices
+        for attempt in range(remote.ATTEMPTS):
+            if not left:
+                break
+            if attempt:
+                time.sleep(remote.BACKOFF_S * 2 ** (attempt - 1))  # a backoff between attempts, not a wait for anyone
+            paths = [self._paths[i] for i in left]
+            try:
+                answers = self.fs.cat(paths, on_error="return")
+            except Exception as e:  # the whole call failed (a filesystem that raises instead of returning)
+                answers = {p: e for p in paths}
+            retry = []
+            for i, path in zip(left, paths):
+                answer = answers.get(path, answers.get(self.fs._strip_protocol(path)))
+                if isinstance(answer, bytes):
+                    _keep(self._copies[i], answer)
+                    got[i] = answer
+                elif isinstance(answer, FileNotFoundError):
+                    got[i] = SampleError(i, self.describe(i), "the store has no such file (it was listed when the "
+                                                              "dataset was opened)")
+                else:
+                    errors[i] = answer if isinstance(answer, BaseException) else ValueError(f"no answer for {path}")
+                    retry.append(i)
+            if retry:
+                logger.warning("fetching %d file(s) of %s failed (attempt %d of %d), e.g. %s: %r", len(retry),
+                               self.root, attempt + 1, remote.ATTEMPTS, self.describe(retry[0]), errors[retry[0]])
+            left = retry
+        if left:
+            named = ", ".join(self.describe(i) for i in left[:remote.NAMED])
+            more = f" and {len(left) - remote.NAMED} more" if len(left) > remote.NAMED else ""
+            raise DatasetError(f"dataset {self.root}: {len(left)} file(s) could not be fetched in {remote.ATTEMPTS} "
+                               f"attempts ({named}{more}), last error {errors[left[0]]!r}; {_FIX}") from errors[left[0]]
+        return got
+
+
+def _relative(path: str, root: str) -> str:
+    """``path`` under ``root``, its URL escapes decoded (an HTTP listing's names are escaped)."""
+    relative = path[len(root):].lstrip("/") if path.startswith(root) else path
+    return urllib.parse.unquote(relative) if "://" in root else relative
+
+
+def _copy_name(path: str, info: dict) -> str:
+    """A copy's file name: after the file's path and, where the listing gives them, its size and tag."""
+    version = "{}:{}".format(info.get("size"), info.get("ETag") or info.get("etag") or info.get("LastModified") or "")
+    extension = os.path.splitext(path)[1][:8]
+    return hashlib.sha256(f"{path}\0{version}".encode()).hexdigest()[:24] + extension
+
+
+def _local(copy: str) -> bytes | None:
+    try:
+        with open(copy, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _keep(copy: str, data: bytes) -> None:
+    """Write the node's copy whole or not at all (the caller holds its lock)."""
+    part = copy + ".part"
+    with open(part, "wb") as f:
+        f.write(data)
+    os.replace(part, copy)

@@ -1,0 +1,114 @@
+"""An ImageFolder of raw files in object storage, served by a real HTTP server on loopback and
+counted on its side: indexed as a local ImageFolder of the same tree, each file fetched once per node
+however many processes read it, failures bounded and named. (Over S3: test_remote_shards.py.)"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+
+import pytest
+
+from coordinated_prep.errors import DatasetError, SampleError
+from coordinated_prep.pipeline.sources import open_source, remote
+from coordinated_prep.pipeline.sources.remote_folder import RemoteFolderSource
+from coordinated_prep.sweep.config import _check_dataset
+from tests.servers import Server
+
+
+@pytest.fixture
+def node_cache(tmp_path, monkeypatch) -> str:
+    """A node shard cache of this test's own, no backoff."""
+    monkeypatch.setenv("COORDPREP_CACHE", str(tmp_path / "node"))
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.0)
+    return str(tmp_path / "node" / "shards")
+
+
+@pytest.fixture
+def served(small_dataset, tmp_path):
+    """The small ImageFolder (3 classes, nested folders, a non-image file) copied under an HTTP server."""
+    shutil.copytree(small_dataset, tmp_path / "served" / "photos")
+    with Server("http", str(tmp_path / "http.log"), str(tmp_path / "served")) as server:
+        yield server, str(tmp_path / "served" / "photos")
+
+
+def _file_gets(server: Server) -> dict[str, int]:
+    return {p: n for (method, p), n in server.requests().items() if method == "GET" and "." in p.rsplit("/", 1)[-1]}
+
+
+def test_a_folder_url_is_indexed_as_imagefolder_and_each_file_is_fetched_once_per_node(served, node_cache):
+    server, folder = served
+    local = open_source.__wrapped__(folder)
+    url = f"{server.url}/photos"
+    _check_dataset(url)  # a sweep's configuration takes it (no trailing slash needed)
+    readers = [open_source.__wrapped__(url) for _ in range(4)]  # as the processes of one node
+    assert all(isinstance(r, RemoteFolderSource) for r in readers)
+    assert readers[0].classes == local.classes and list(readers[0].labels) == list(local.labels)
+    n = len(local)
+    orders = [list(range(n)), list(reversed(range(n))), list(range(0, n, 2)) + list(range(1, n, 2)), list(range(n))]
+    got: list = [None] * 4
+    errors: list = []
+
+    def read(k: int) -> None:  # each thread holds its own lock file descriptions, as a process does
+        try:
+            pieces = [orders[k][s:s + 32] for s in range(0, n, 32)]
+            got[k] = {i: data for piece in pieces for i, data in zip(piece, readers[k].read_many(piece))}
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=read, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    for k in range(4):
+        assert all(got[k][i] == local.read(i) for i in range(n)), "the same bytes under the same index"
+    gets = _file_gets(server)
+    assert len(gets) == n and set(gets.values()) == {1}, "one GET per file for the node, whoever read it"
+    assert readers[0].describe(7) == f"{server.url}/photos/" + os.path.relpath(local.describe(7), folder)
+    copies = os.listdir(readers[0].folder)
+    assert not [c for c in copies if c.endswith(".part")], "no partial copy left"
+
+    again = open_source.__wrapped__(url + "/")  # a later sweep of the node: the copies, nothing fetched
+    assert again.read(n - 1) == local.read(n - 1) and _file_gets(server) == gets
+
+
+def test_a_file_gone_since_listing_is_that_samples_error_and_a_failing_store_is_named_after_bounded_retries(
+        served, node_cache):
+    server, folder = served
+
+    def a_jpeg(cls: str) -> str:
+        return os.path.join(folder, cls, min(f for f in os.listdir(os.path.join(folder, cls)) if f.endswith(".jpg")))
+
+    shutil.copy(a_jpeg("class_1"), os.path.join(folder, "class_1", "broken-0.jpg"))  # a GET of broken-* fails with 503
+    deleted = a_jpeg("class_2")
+    source = open_source.__wrapped__(f"{server.url}/photos/")
+    broken = next(i for i in range(len(source)) if source.describe(i).endswith("/broken-0.jpg"))
+    gone = next(i for i in range(len(source))
+                if source.describe(i).endswith("/class_2/" + os.path.basename(deleted)))
+    os.remove(deleted)
+
+    answers = source.read_many([0, gone, 1])
+    assert isinstance(answers[1], SampleError) and answers[1].path == source.describe(gone)
+    assert "no such file" in str(answers[1]) and answers[0] == open(open_source.__wrapped__(folder).describe(0),
+                                                                   "rb").read()
+    with pytest.raises(DatasetError, match=r"1 file\(s\) could not be fetched in 3 attempts \(http://\S+/photos/"
+                                           r"class_1/broken-0\.jpg\), last error .*503.*check the URL"):
+        source.read_many([2, broken])
+    assert _file_gets(server)["/photos/class_1/broken-0.jpg"] == remote.ATTEMPTS, "a bounded number of attempts"
+    fetched = _file_gets(server)
+    assert fetched["/photos/" + os.path.relpath(source.describe(2), f"{server.url}/photos")] == 1
+    before = source.read(2)  # fetched in the call that failed: kept, not fetched again
+    assert before == open(os.path.join(folder, os.path.relpath(source.describe(2), f"{server.url}/photos")),
+                          "rb").read() and _file_gets(server) == fetched
+
+
+def test_a_folder_url_with_neither_class_folders_nor_shards_is_refused_naming_what_it_may_hold(tmp_path, node_cache):
+    (tmp_path / "flat").mkdir()
+    (tmp_path / "flat" / "a.jpg").write_bytes(b"x")
+    with Server("http", str(tmp_path / "http.log"), str(tmp_path)) as server:
+        with pytest.raises(DatasetError, match=r"holds no class folders and no \*\.tar shards: a folder in object "
+                                               r"storage is read as an ImageFolder .* or as WebDataset tar shards"):
+            open_source.__wrapped__(f"{server.url}/flat/")
