@@ -112,3 +112,58 @@ def test_a_folder_url_with_neither_class_folders_nor_shards_is_refused_naming_wh
         with pytest.raises(DatasetError, match=r"holds no class folders and no \*\.tar shards: a folder in object "
                                                r"storage is read as an ImageFolder .* or as WebDataset tar shards"):
             open_source.__wrapped__(f"{server.url}/flat/")
+
+
+def _read_in_a_forked_process(source, ids, out):
+    out.put([bytes(b) if isinstance(b, (bytes, bytearray)) else repr(b) for b in source.read_many(ids)])
+
+
+def test_a_forked_loader_worker_fetches_and_a_class_without_images_is_refused(served, node_cache):
+    """A DataLoader's workers are forked from the trial, and fsspec's filesystems refuse to run in a
+    forked child: the source looks its filesystem up again there."""
+    import multiprocessing
+
+    server, folder = served
+    source = open_source.__wrapped__(f"{server.url}/photos")
+    local = open_source.__wrapped__(folder)
+    source.read(0)  # the parent's filesystem is in use before the fork
+    queue = multiprocessing.get_context("fork").Queue()
+    child = multiprocessing.get_context("fork").Process(target=_read_in_a_forked_process, args=(source, [5, 6], queue))
+    child.start()
+    got = queue.get(timeout=60)
+    child.join(timeout=60)
+    assert got == [local.read(5), local.read(6)]
+    assert all(n == 1 for n in _file_gets(server).values()) and len(_file_gets(server)) == 3
+
+    os.makedirs(os.path.join(folder, "class_9"))
+    with open(os.path.join(folder, "class_9", "readme.txt"), "w") as f:
+        f.write("no image here")
+    with pytest.raises(DatasetError, match=r"class folder 'class_9' holds no images with extensions .*; add images "
+                                           r"or remove the folder"):
+        open_source.__wrapped__(f"{server.url}/photos/")
+
+
+def test_a_cache_that_cannot_lock_is_named_and_leaves_no_lock_held(served, node_cache, monkeypatch):
+    import fcntl
+
+    server, folder = served
+    source = open_source.__wrapped__(f"{server.url}/photos")
+    real, calls = fcntl.flock, []
+
+    def failing(fd, op):  # the node runs out of locks at the third file of the piece
+        calls.append(op)
+        if op == fcntl.LOCK_EX | fcntl.LOCK_NB and len(calls) == 3:
+            raise OSError(37, "No locks available")
+        return real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", failing)
+    with pytest.raises(DatasetError, match=r"the node's copies in \S+ cannot be written or locked .*No locks "
+                                           r"available"):
+        source.read_many([0, 1, 2, 3])
+    monkeypatch.setattr(fcntl, "flock", real)
+    assert not _file_gets(server), "nothing was fetched"
+    for i in (0, 1):  # taken before the failure, released by it
+        with open(source._copies[i] + ".lock", "a+b") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert source.read_many([0, 1]) == [open_source.__wrapped__(folder).read(i) for i in (0, 1)]
+    assert sorted(_file_gets(server).values()) == [1, 1]

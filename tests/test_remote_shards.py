@@ -266,9 +266,14 @@ def test_shards_parquet_and_raw_files_in_an_s3_compatible_store_read_with_creden
         assert fetched == {"/photos/parquet/coordprep-parquet.json": 1, "/photos/parquet/part-00000.parquet": 1,
                            "/photos/parquet/part-00001.parquet": 1}, fetched
 
-        store.put(small_dataset, "photos/raw", recursive=True)  # the same samples as raw files, an ImageFolder
+        tree = str(tmp_path / "raw")  # the same samples as raw files, an ImageFolder, with names fsspec would glob
+        shutil.copytree(small_dataset, tree)
+        first = sorted(os.listdir(os.path.join(tree, "class_1")))[0]
+        for name in ("x[1].jpg", "[1].jpg", "x*.jpg", "x?.jpg"):
+            shutil.copy(os.path.join(tree, "class_1", first), os.path.join(tree, "class_1", name))
+        store.put(tree, "photos/raw", recursive=True)
         raw = open_source.__wrapped__("s3://photos/raw")
-        images = open_source.__wrapped__(small_dataset)
+        images = open_source.__wrapped__(tree)
         assert raw.classes == images.classes and np.array_equal(raw.labels, images.labels)
         assert raw.read_many(list(range(len(images)))) == [images.read(i) for i in range(len(images))]
         assert open_source.__wrapped__("s3://photos/raw/").read(5) == images.read(5)  # the node's copy

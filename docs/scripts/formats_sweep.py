@@ -64,6 +64,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--latency-ms", type=float, nargs="+", default=[10, 50])
     parser.add_argument("--remote-only", action="store_true", help="skip the runs from local disk")
+    parser.add_argument("--formats", nargs="+", default=["raw files", "tar shards", "Parquet"],
+                        help="the remote runs' formats (default: all three)")
     args = parser.parse_args()
     os.environ.setdefault("COORDPREP_CACHE", tempfile.mkdtemp(prefix="formats-bench-"))
     import ray
@@ -98,8 +100,8 @@ def main() -> None:
                   f"{r['first_batch_s'][0]:.1f} s, {r['first_batch_s'][1]:.1f} s | - | - |", flush=True)
         for latency in args.latency_ms:
             os.environ["COORDPREP_SERVER_LATENCY_MS"] = str(latency)
-            for name, path in (("raw files", "raw/"), ("tar shards", f"tar/{pattern}"),
-                               ("Parquet", "parquet/coordprep-parquet.json")):
+            remote = {"raw files": "raw/", "tar shards": f"tar/{pattern}", "Parquet": "parquet/coordprep-parquet.json"}
+            for name, path in ((n, p) for n, p in remote.items() if n in args.formats):
                 log = os.path.join(work, f"requests-{n}-{latency:g}-{name[:3]}")
                 with Server("http", log, work) as server:
                     shutil.rmtree(shard_cache_dir(), ignore_errors=True)

@@ -8,8 +8,9 @@ classes sorted, and in each class the files sorted by folder, then by name. So i
 same file as a local ImageFolder of the same tree, and the same bytes.
 
 Reading (:meth:`RemoteFolderSource.read_many`, a piece at a time): the files this node has no copy of
-are fetched together (fsspec's ``cat``: concurrent requests, so a piece of 256 files costs a few
-round trips, not 256), each into the node's shard cache (``$COORDPREP_CACHE/shards/folder-<key>/``).
+are fetched together, up to :data:`BATCH` at a time (fsspec's ``cat_ranges``: concurrent requests of
+literal paths, so a piece of 256 files costs a few round trips, not 256), each into the node's shard
+cache (``$COORDPREP_CACHE/shards/folder-<key>/``).
 Every process of the node, every later epoch and every later sweep read the local copy: one GET per
 file and node for the whole sweep (CoorDL's argument for a node cache). One process of the node
 fetches a given file: it holds the copy's ``flock`` while it fetches (taken without waiting, for
@@ -20,9 +21,15 @@ here if that holder failed. A copy is written to ``<copy>.part`` and renamed, so
 not at all.
 
 Failures: a file the store says does not exist (listed at opening, deleted since) is that sample's
-:class:`~coordinated_prep.errors.SampleError`, skipped as a corrupt image is. Any other failure is
-retried, at most :data:`~coordinated_prep.pipeline.sources.remote.ATTEMPTS` fetches in all with a
-backoff, then raised as a :class:`~coordinated_prep.errors.DatasetError` naming the URLs and the fix.
+:class:`~coordinated_prep.errors.SampleError`, skipped as a corrupt image is. Any other failure (a
+whole call that failed included, or a copy shorter than the listing's size) is retried, at most
+:data:`~coordinated_prep.pipeline.sources.remote.ATTEMPTS` fetches in all with a backoff, then raised
+as a :class:`~coordinated_prep.errors.DatasetError` naming the URLs and the fix. A class folder with
+no image is refused, as a local ImageFolder's is.
+
+Processes: the filesystem is looked up again in a forked process (fsspec's are not fork-safe), so a
+``DataLoader``'s forked workers read too. Each opening process lists the tree itself (a node shares
+the copies, not the listing).
 
 Versions: a copy is named after its URL and, where the listing gives them (S3), the file's size and
 ETag, so a file replaced at its URL is fetched again. An HTTP directory page gives neither: delete
@@ -47,6 +54,8 @@ from coordinated_prep.pipeline.sources import remote
 from coordinated_prep.pipeline.sources.folder_index import IMAGE_EXTENSIONS
 
 logger = logging.getLogger(__name__)
+
+BATCH = 64  # missing files fetched (and locked) at once: bounds a process's open lock files
 
 _FIX = ("check the URL and that the credentials (AWS_* variables, ~/.aws; AWS_ENDPOINT_URL for an S3-compatible "
         "server) reach every node")
@@ -73,22 +82,22 @@ def open_remote_folder(url: str) -> Any:
     try:
         top = fs.ls(root, detail=True)
     except FileNotFoundError:
-        top = []
+        raise DatasetError(f"dataset {url!r} does not exist (nothing is listed under it); check the URL") from None
     except Exception as e:  # each filesystem raises its own errors (ClientError, aiohttp's, OSError)
         raise DatasetError(f"dataset {url!r}: cannot list it ({e!r}); {_FIX}") from e
     files = [e["name"].rsplit("/", 1)[-1] for e in top if e["type"] != "directory"]
-    if "coordprep-parquet.json" in files:
-        raise DatasetError(f"dataset {url!r} holds no *.tar shards; a Parquet dataset in object storage is named by "
-                           f"its manifest's URL ({url.rstrip('/')}/coordprep-parquet.json)")
     if any(name.endswith(".tar") for name in files):
         from coordinated_prep.pipeline.sources.tar_shards import TarShardSource
 
         return TarShardSource(url if url.endswith("/") else url + "/")
+    if "coordprep-parquet.json" in files:
+        raise DatasetError(f"dataset {url!r} holds no *.tar shards; a Parquet dataset in object storage is named by "
+                           f"its manifest's URL ({url.rstrip('/')}/coordprep-parquet.json)")
     if not any(e["type"] == "directory" for e in top):
         raise DatasetError(f"dataset {url!r} holds no class folders and no *.tar shards: a folder in object storage "
                            "is read as an ImageFolder (<url>/<class>/<image>) or as WebDataset tar shards (*.tar at "
                            "its top); a Parquet dataset is named by its manifest's URL (.../coordprep-parquet.json)")
-    return RemoteFolderSource(url, fs=fs)
+    return RemoteFolderSource(url)
 
 
 class RemoteFolderSource:
@@ -96,25 +105,30 @@ class RemoteFolderSource:
 
     Args:
         url: The folder's URL (``s3://bucket/photos``, ``http://host/photos/``).
-        fs: Its fsspec filesystem (default: the one the URL names).
 
     Raises:
         DatasetError: The folder cannot be listed, has no class folders, or a class has no images.
     """
 
-    def __init__(self, url: str, fs: Any = None) -> None:
-        self.fs, root = (fs, remote._filesystem(url)[1]) if fs is not None else remote._filesystem(url)
-        root = root.rstrip("/")
+    def __init__(self, url: str) -> None:
         self.root = url
+        root = remote._filesystem(url)[1].rstrip("/")
         try:
-            found = self.fs.find(root, detail=True)
+            found = self.fs.find(root, detail=True, withdirs=True)
         except Exception as e:
             raise DatasetError(f"dataset {url!r}: cannot list it ({e!r}); {_FIX}") from e
-        files, ignored = [], []
+        files, ignored, folders = [], [], set()
         for path, info in found.items():
-            relative = _relative(path, root)
+            if path.rstrip("/") == root:
+                continue  # the folder itself
+            relative = _relative(path, root, url)
             if "/" not in relative:
+                if info.get("type") == "directory":
+                    folders.add(relative)
                 continue  # a file at the top belongs to no class (ImageFolder ignores it too)
+            folders.add(relative.split("/", 1)[0])
+            if info.get("type") == "directory":
+                continue
             if not relative.lower().endswith(IMAGE_EXTENSIONS):
                 ignored.append(relative)
                 continue
@@ -126,15 +140,31 @@ class RemoteFolderSource:
         if not files:
             raise DatasetError(f"dataset {url!r}: no images in class folders (<url>/<class>/<image>, extensions "
                                f"{list(IMAGE_EXTENSIONS)}); check the URL")
+        empty = sorted(folders - {f[0] for f in files})
+        if empty:
+            raise DatasetError(f"dataset {url!r}: class folder {empty[0]!r} holds no images with extensions "
+                               f"{list(IMAGE_EXTENSIONS)}; add images or remove the folder")
         files.sort(key=lambda f: (f[0], f[1], f[2]))
-        self.classes: tuple[str, ...] = tuple(sorted({f[0] for f in files}))
+        self.classes: tuple[str, ...] = tuple(sorted(folders))
         label = {c: k for k, c in enumerate(self.classes)}
         self.labels = np.asarray([label[f[0]] for f in files], dtype=np.int64)
         self._paths = [f[3] for f in files]
+        self._sizes = [f[4].get("size") for f in files]  # None where the listing gives none (HTTP)
         key = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
         self.folder = os.path.join(remote.shard_cache_dir(), f"folder-{key}")
         os.makedirs(self.folder, exist_ok=True)
         self._copies = [os.path.join(self.folder, _copy_name(f[3], f[4])) for f in files]
+
+    @property
+    def fs(self) -> Any:
+        """The URL's fsspec filesystem, looked up again in a forked process (fsspec's are not fork-safe)."""
+        if getattr(self, "_fs_pid", None) != os.getpid():
+            self._fs, self._fs_pid = remote._filesystem(self.root)[0], os.getpid()
+        return self._fs
+
+    def __getstate__(self) -> dict:
+        """Without the filesystem: the process it goes to looks its own up."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_fs", "_fs_pid")}
 
     def __len__(self) -> int:
         return len(self._paths)
@@ -167,24 +197,37 @@ class RemoteFolderSource:
         return [got[i] for i in indices]
 
     def _fetch(self, indices: list[int]) -> dict[int, bytes | SampleError]:
-        """Fetch ``indices``' files under their copies' locks: those free now at once, then the rest."""
+        """Fetch ``indices``' files under their copies' locks, :data:`BATCH` at a time."""
+        got: dict[int, bytes | SampleError] = {}
+        for start in range(0, len(indices), BATCH):
+            got.update(self._fetch_batch(indices[start:start + BATCH]))
+        return got
+
+    def _fetch_batch(self, indices: list[int]) -> dict[int, bytes | SampleError]:
+        """Those whose locks are free now are fetched at once; then the others, waited for holding nothing."""
         mine: dict[int, Any] = {}
         others = []
-        for i in indices:
-            lock = open(self._copies[i] + ".lock", "a+b")
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                mine[i] = lock
-            except BlockingIOError:
-                lock.close()
-                others.append(i)
         got: dict[int, bytes | SampleError] = {}
         try:
+            for i in indices:
+                lock = open(self._copies[i] + ".lock", "a+b")
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    mine[i] = lock
+                except BlockingIOError:
+                    lock.close()
+                    others.append(i)
+                except BaseException:
+                    lock.close()
+                    raise
             for i in mine:  # a holder that was just done left its copy
                 data = _local(self._copies[i])
                 if data is not None:
                     got[i] = data
             got.update(self._download([i for i in mine if i not in got]))
+        except OSError as e:  # the node's cache (no room, too many open files): not the store's
+            raise DatasetError(f"dataset {self.root}: the node's copies in {self.folder} cannot be written or locked "
+                               f"({e}); free space there or put $COORDPREP_CACHE on a local disk") from e
         finally:
             for lock in mine.values():
                 fcntl.flock(lock, fcntl.LOCK_UN)
@@ -206,13 +249,15 @@ class RemoteFolderSource:
             if attempt:
                 time.sleep(remote.BACKOFF_S * 2 ** (attempt - 1))  # a backoff between attempts, not a wait for anyone
             paths = [self._paths[i] for i in left]
-            try:
-                answers = self.fs.cat(paths, on_error="return")
-            except Exception as e:  # the whole call failed (a filesystem that raises instead of returning)
-                answers = {p: e for p in paths}
+            try:  # literal paths (cat would glob a name with * ? or [), answered in order
+                answers = self.fs.cat_ranges(paths, [None] * len(paths), [None] * len(paths), on_error="return")
+            except Exception as e:  # the whole call failed: retried, never taken for a missing file
+                answers = [ConnectionError(f"the request failed: {e!r}")] * len(paths)
             retry = []
-            for i, path in zip(left, paths):
-                answer = answers.get(path, answers.get(self.fs._strip_protocol(path)))
+            for i, answer in zip(left, answers):
+                size = self._sizes[i]
+                if isinstance(answer, bytes) and size is not None and len(answer) != size:
+                    answer = ValueError(f"got {len(answer)} bytes of {size}")
                 if isinstance(answer, bytes):
                     _keep(self._copies[i], answer)
                     got[i] = answer
@@ -220,7 +265,7 @@ class RemoteFolderSource:
                     got[i] = SampleError(i, self.describe(i), "the store has no such file (it was listed when the "
                                                               "dataset was opened)")
                 else:
-                    errors[i] = answer if isinstance(answer, BaseException) else ValueError(f"no answer for {path}")
+                    errors[i] = answer if isinstance(answer, BaseException) else ValueError(f"no answer: {answer!r}")
                     retry.append(i)
             if retry:
                 logger.warning("fetching %d file(s) of %s failed (attempt %d of %d), e.g. %s: %r", len(retry),
@@ -234,9 +279,12 @@ class RemoteFolderSource:
         return got
 
 
-def _relative(path: str, root: str) -> str:
+def _relative(path: str, root: str, url: str) -> str:
     """``path`` under ``root``, its URL escapes decoded (an HTTP listing's names are escaped)."""
-    relative = path[len(root):].lstrip("/") if path.startswith(root) else path
+    if not path.startswith(root + "/"):
+        raise DatasetError(f"dataset {url!r}: its listing names {path!r}, which is not under it (a server that "
+                           "links elsewhere, http against https?); serve the folder's files under its URL")
+    relative = path[len(root) + 1:]
     return urllib.parse.unquote(relative) if "://" in root else relative
 
 
