@@ -106,6 +106,7 @@ def test_the_shipped_bench_file_is_valid():
     speed = load_bench("experiments/bench-speed.yaml")  # the README's speed table
     assert speed.trials == (1, 4, 8) and speed.loaders == ("dataloader", "coordinated-torchvision")
     assert (speed.dataset, speed.simulated_step_ms, speed.epochs, speed.record_trials) == ("builtin:photos", 5, 3, ())
+    assert speed.pool_actors == speed.cores  # one prep actor per core unless the file says otherwise
 
 
 @pytest.mark.parametrize("text, named", [("trials: [0]", "bench.trials"), ("loaders: [torch]", "torch"),
@@ -113,7 +114,8 @@ def test_the_shipped_bench_file_is_valid():
                                          ("cnn_batches: 1", "bench.cnn_batches"),
                                          ("loaders: [dataloader]\ncnn_loaders: [dali]", "bench.cnn_loaders"),
                                          ("record_trials: [0]", "bench.record_trials"),
-                                         ("record_loaders: [dali]", "dali reads image files itself")])
+                                         ("record_loaders: [dali]", "dali reads image files itself"),
+                                         ("pool_actors: 0", "bench.pool_actors")])
 def test_bad_bench_files_name_the_key(tmp_path, text, named):
     path = tmp_path / "b.yaml"
     path.write_text(text + "\n")

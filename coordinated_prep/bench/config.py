@@ -46,6 +46,8 @@ class BenchConfig:
         cores: CPU cores for preparation (default: the machine's); independent loaders split them
             evenly over the trials (at least one worker each), coordinated ones run one prep actor
             per core.
+        pool_actors: The coordinated loaders' prep actors: a number (default: ``cores``, one per core), or
+            None for the pool a sweep gets by default (sized by demand: one actor to start with).
         object_store_mb: Ray object store size (the coordinated loaders stage in a quarter of it).
         transform: A user pipeline in place of the built-in crop and flip: a factory mapping
             (``{factory: "pkg.mod:fn", args: {...}}``) or a :class:`~coordinated_prep.pipeline.Factory`
@@ -72,6 +74,7 @@ class BenchConfig:
     record_trials: tuple[int, ...] = (1, 4)
     record_loaders: tuple[str, ...] = ("dataloader", "coordinated-torchvision")
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
+    pool_actors: int | None | str = "cores"
     object_store_mb: int = 2048
     transform: Any = None
 
@@ -99,6 +102,12 @@ class BenchConfig:
         if self.cnn_loaders is not None and (not self.cnn_loaders or set(self.cnn_loaders) - set(self.loaders)):
             raise ConfigError(f"bench.cnn_loaders={list(self.cnn_loaders)!r} must be some of bench.loaders "
                               f"{list(self.loaders)} (or unset: all of them)")
+        if self.pool_actors == "cores":
+            object.__setattr__(self, "pool_actors", self.cores)
+        if self.pool_actors is not None and (not isinstance(self.pool_actors, int) or isinstance(self.pool_actors, bool)
+                                             or self.pool_actors < 1):
+            raise ConfigError(f"bench.pool_actors={self.pool_actors!r} must be a number of prep actors >= 1, or null "
+                              "for the pool a sweep gets by default (sized by demand)")
         if not self.simulated_step_ms > 0:
             raise ConfigError(f"bench.simulated_step_ms={self.simulated_step_ms!r} must be positive")
         self._check_transform()

@@ -227,7 +227,7 @@ def measure(cfg: BenchConfig, loader: str, trials: int, step: str, dataset: str 
               "max_batches": max_batches if max_batches is not None else cfg.cnn_batches if step == "cnn" else 0,
               "trial_index": tune.grid_search(list(range(trials)))}
     # Independent loaders run without the searcher: no prep pool sits beside them.
-    searcher = CoordinatedSearcher(max_concurrent=trials, pool=PoolSpec(actors=cfg.cores)) if spec.coordinated else None
+    searcher = CoordinatedSearcher(max_concurrent=trials, pool=PoolSpec(actors=cfg.pool_actors)) if spec.coordinated else None
     started = time.time()
     sampler = ProcessSampler() if searcher else None  # where a coordinated run's CPU goes, by role
     try:
