@@ -55,7 +55,7 @@ class _LandingActor:
     def options(self, **_: object) -> "_LandingActor":
         return self
 
-    def remote(self, key, box, epoch, indices, layout, threads) -> tuple[asyncio.Future, str]:
+    def remote(self, key, box, epoch, indices, layout) -> tuple[asyncio.Future, str]:
         future = asyncio.get_running_loop().create_future()
         self.pending.append((future, len(indices)))
         return future, "piece"

@@ -107,7 +107,7 @@ class _PrepActor:
 
 
 class _Pool:
-    node, actors, budget_bytes, reserved_cpus, most = NODE, [_PrepActor()], 10**9, 1.0, 1
+    node, actors, budget_bytes, reserved_cpus = NODE, [_PrepActor()], 10**9, 1.0
 
 
 class _Here:
@@ -508,7 +508,7 @@ def test_resident_evaluation_pieces_are_charged_their_real_bytes_and_the_groups_
     actor = _EvalActor()
 
     class Pool:
-        node, actors, budget_bytes, reserved_cpus, most = NODE, [actor], 2 * 3200, 1.0, 1  # an allowance of 3200
+        node, actors, budget_bytes, reserved_cpus = NODE, [actor], 2 * 3200, 1.0  # an allowance of 3200
 
     registry._pools[NODE] = Pool()
     monkeypatch.setattr(ray, "put", lambda value: value)

@@ -27,10 +27,6 @@ from coordinated_prep.pipeline.seeding import preserved
 from coordinated_prep.pipeline.structure import LeafSpec, Layout
 from coordinated_prep.pages import guard, padded_base, padded_empty
 
-#: The most threads a prep actor prepares one piece on: the piece's Python work holds the GIL, so
-#: more add little (``docs/benchmarks.md``: 1.8x from 2 threads alone, 1.2-1.3x in an actor).
-MAX_PREP_THREADS = 4
-
 _ALIGN = 64  # each leaf's bytes start at a multiple of this: any dtype's alignment, a cache line
 
 
@@ -215,8 +211,8 @@ def prepare_chunk(
     contiguous part of the piece, if the pipeline is ``thread_safe`` (the built-in torchvision one:
     its draws are explicit functions of (seed, epoch, sample, view), never a global generator's, and
     torchvision's decode and resize release the GIL); a user's pipeline runs on one. Each sample's
-    function is the same, so the bytes are too; the order, the samples skipped and the SampleError
-    raised are the one thread's.
+    function is the same, so the bytes are too; the order, the samples skipped and the error raised
+    are the one thread's.
 
     Raises:
         SampleError: With ``on_error="raise"``, a sample cannot be read, decoded or transformed;
@@ -263,10 +259,7 @@ def _prepare_split(pipeline: Any, layout: Layout, seed: int, epoch: int, indices
     skipped: list[tuple[int, str, str]] = []
     per_view: list[list[Any]] = [[] for _ in range(views)]
     kept: list[int] = []
-    # On one thread lazily, so that an error is raised before a later sample runs; on several, a
-    # later sample's StructureError (never a SampleError) may come before an earlier one's error.
-    tails = _mapped(tail, list(zip(ids, outputs)), threads) if threads > 1 else map(tail, zip(ids, outputs))
-    for index, out in zip(ids, tails):
+    for index, out in zip(ids, _mapped(tail, list(zip(ids, outputs)), threads)):
         if isinstance(out, SampleError):
             if on_error == "raise":
                 raise out
@@ -278,13 +271,6 @@ def _prepare_split(pipeline: Any, layout: Layout, seed: int, epoch: int, indices
     rows = [layout.check(sample, kept[k], "data") for v in range(views) for k, sample in enumerate(per_view[v])]
     chunk = stack(layout, rows, np.tile(np.asarray(kept, dtype=np.int64), views), epoch, views, alloc)
     return chunk, ChunkTiming(t1 - t0, time.perf_counter() - t1, tuple(skipped), decodes=decodes, tier_hits=hits)
-
-
-def prep_threads(most_actors: int, actors: int) -> int:
-    """Threads for a prep actor's pieces: the pool's parallelism at its most (``most_actors``, one
-    per CPU for a pool sized by demand), shared by the ``actors`` it has now, at most
-    :data:`MAX_PREP_THREADS`. A fixed pool (``most_actors == actors``) prepares on one thread each."""
-    return min(MAX_PREP_THREADS, max(1, most_actors // max(actors, 1)))
 
 
 def _mapped(call: Callable[[Any], Any], items: list[Any], threads: int) -> list[Any]:

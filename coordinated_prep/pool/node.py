@@ -72,7 +72,6 @@ class NodePool:
         self.node = node
         self.spec = spec
         most, self.each = spec.shape_for(cpus)
-        self.most = most  # the most actors it may have: its coordinators' threads per piece (pipeline/chunk.py)
         # Sized by demand: one actor to start with, up to ``most`` (a lent pool is the driver's, as it is).
         grows = spec.grows and not lent and most > 1
         # A kept pool's actors hold their CPUs themselves: the next sweep borrows them as they are.

@@ -60,7 +60,6 @@ import ray
 
 from coordinated_prep import metrics
 from coordinated_prep.errors import ConfigError, PrepError
-from coordinated_prep.pipeline.chunk import prep_threads
 from coordinated_prep.pipeline.part import part_ids, part_mask
 from coordinated_prep.pipeline.probe import Probe
 from coordinated_prep.pipeline.sources import open_source
@@ -93,7 +92,7 @@ class Coordinator(Producer):
     """
 
     def __init__(self, spec: DataSpec, name: str, actors: list[Any], budget_bytes: int, index: Any = None,
-                 start: tuple[int, Probe] | None = None, most_actors: int = 1) -> None:
+                 start: tuple[int, Probe] | None = None) -> None:
         if index is not None:
             remember(index)
         self.spec = spec
@@ -125,10 +124,9 @@ class Coordinator(Producer):
         self.oversized = False  # warned that one piece outgrew the budget
         self.actors = actors
         self.max_in_flight = 2 * n_actors  # keep every actor busy while one result travels back
-        # An actor prepares a piece on the pool's parallelism at its most, shared by its actors now
-        # (pipeline/chunk.py): a pool sized by demand that starts with 1 actor of at most 2, 2 threads.
-        self.most_actors = most_actors
-        self.threads = prep_threads(most_actors, n_actors)
+        # An actor prepares a piece on the node's CPUs it has alone (pipeline/chunk.py, threads).
+        self.node_cpus = _node_cpus(node_id)
+        self.threads = max(1, int(self.node_cpus) // max(n_actors, 1))
         self.in_flight = 0
         self.tasks: dict[int, ray.ObjectRef] = {}  # piece -> its prep task's timing reference, while in flight
         self.changed = asyncio.Condition()
@@ -397,7 +395,7 @@ class Coordinator(Producer):
         """The node's prep actors, after the pool grew: pieces go to every one of them from now on."""
         self.actors = list(actors)
         self.max_in_flight = 2 * len(self.actors)
-        self.threads = prep_threads(self.most_actors, len(self.actors))
+        self.threads = max(1, int(self.node_cpus) // len(self.actors))
         if self.spec.lookahead is None:  # as for a pool of this size from the start
             self.buffer.lookahead = self.stats["lookahead"] = max(8, 4 * len(self.actors))
         self.stats["prep_actors"] = len(self.actors)
@@ -441,3 +439,8 @@ def _counts_served(consumer: str) -> bool:
     together read the trial's epoch once: rank 0's fetches count it, the other ranks' none (the
     sharing factor, served over prepared, is then the real saving)."""
     return "@" not in consumer or consumer.rsplit("@", 1)[1] == "0"
+
+
+def _node_cpus(node: str) -> float:
+    """The CPUs of node ``node`` as Ray counts them (1 if it does not say)."""
+    return next((float(n["Resources"].get("CPU", 1.0)) for n in ray.nodes() if n["NodeID"] == node), 1.0)

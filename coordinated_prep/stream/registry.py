@@ -316,7 +316,7 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports, PoolGrowth, Kept):
         group.actor = Coordinator.options(
             name=name, namespace=NAMESPACE,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-        ).remote(spec, name, pool.actors, budget, index, start, pool.most)  # Ray resolves the index first
+        ).remote(spec, name, pool.actors, budget, index, start)  # Ray resolves the index first
         try:
             await self._check_index(spec.dataset, node, group.actor, files)
         except Exception:
