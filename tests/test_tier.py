@@ -225,58 +225,6 @@ def test_kept_and_made_prefix_outputs_give_the_bytes_of_the_whole_pipeline(small
     assert np.array_equal(plain.leaves[0][12 + 5], whole[0].numpy())  # view 1 of sample 5: view-major rows
 
 
-def test_the_built_in_pipeline_on_two_threads_gives_one_threads_bytes_order_and_errors(small_dataset):
-    """A prep actor with the node's CPUs to itself prepares a piece of the built-in pipeline on
-    several threads; each sample's function is the same, so the piece, what it skips and what it
-    raises must be the one thread's. A user's pipeline (global generators) stays on one thread."""
-    import threading
-
-    from coordinated_prep.errors import SampleError
-
-    class Broken:  # the small dataset with samples 3 and 9 not images
-        def __init__(self, source):
-            self.source, self.labels, self.classes = source, source.labels, source.classes
-
-        def __len__(self):
-            return len(self.source)
-
-        def read_many(self, ids):
-            return [b"not an image" if i in (3, 9) else self.source.read(i) for i in ids]
-
-        def describe(self, i):
-            return self.source.describe(i)
-
-    spec = DataSpec(dataset=small_dataset, pipeline={"size": 24}, views=2)
-    pipeline = make_pipeline(spec)
-    assert pipeline.thread_safe
-    layout = probe(pipeline, 0, train_indices(len(pipeline), 0.1), (), 2).layout
-    ids = np.arange(40)
-    one, _ = prepare_chunk(pipeline, layout, 0, 1, ids, views=2)
-    for threads in (2, 3):
-        many, _ = prepare_chunk(pipeline, layout, 0, 1, ids, views=2, threads=threads)
-        assert all(np.array_equal(a, b) for a, b in zip(one.leaves, many.leaves))
-        assert np.array_equal(one.indices, many.indices)
-    pipeline.source = Broken(pipeline.source)
-    skipped = [prepare_chunk(pipeline, layout, 0, 1, ids, "skip", 2, threads=t)[1].skipped for t in (1, 2)]
-    assert skipped[0] == skipped[1] and [s[0] for s in skipped[0]] == [3, 9]
-    for threads in (1, 2):
-        with pytest.raises(SampleError) as raised:
-            prepare_chunk(pipeline, layout, 0, 1, ids, views=2, threads=threads)
-        assert raised.value.index == 3, "the first sample in the piece's order, whichever thread met it"
-
-    names: list = []
-
-    def noted(image):  # a user's step: notes the thread it runs on
-        names.append(threading.current_thread().name)
-        return image
-
-    user = make_pipeline(DataSpec(dataset=small_dataset, transform=v2.Compose([v2.Resize(32), v2.RandomResizedCrop(24),
-                                                                               noted])))
-    assert not getattr(user, "thread_safe", False)
-    prepare_chunk(user, probe(user, 0, train_indices(len(user), 0.1), ()).layout, 0, 1, ids[:8], threads=2)
-    assert set(names) == {threading.current_thread().name}, "a user's pipeline runs on the caller's thread"
-
-
 # -- real sweeps: several tails, one prefix ---------------------------------------------------------
 
 EPOCHS = 2

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import numpy as np
@@ -188,7 +187,7 @@ Decoded = Callable[[str, list[int], Callable[[list[int]], list[Any]]], tuple[lis
 def prepare_chunk(
     pipeline: Any, layout: Layout, seed: int, epoch: int, indices: np.ndarray,
     on_error: Literal["raise", "skip"] = "raise", views: int = 1, alloc: Callable[[int], np.ndarray] | None = None,
-    decoded: Decoded | None = None, threads: int = 1,
+    decoded: Decoded | None = None,
 ) -> tuple[PreparedChunk, ChunkTiming]:
     """Read, decode and transform the samples ``indices`` for stream epoch ``epoch``.
 
@@ -207,13 +206,6 @@ def prepare_chunk(
     tail then runs on the same prefix output, so the bytes are the same. The timing's ``fetch_s``
     then covers reading and the prefix, ``transform_s`` the tail.
 
-    ``threads`` > 1 runs such a pipeline's prefixes, then its tails, on that many threads, each on a
-    contiguous part of the piece, if the pipeline is ``thread_safe`` (the built-in torchvision one:
-    its draws are explicit functions of (seed, epoch, sample, view), never a global generator's, and
-    torchvision's decode and resize release the GIL); a user's pipeline runs on one. Each sample's
-    function is the same, so the bytes are too; the order, the samples skipped and the error raised
-    are the one thread's.
-
     Raises:
         SampleError: With ``on_error="raise"``, a sample cannot be read, decoded or transformed;
             names the index and where it lives.
@@ -222,32 +214,23 @@ def prepare_chunk(
     """
     with preserved():  # the global generators are saved once per piece, not per sample
         if getattr(pipeline, "prefix_key", None) is not None:
-            threads = threads if getattr(pipeline, "thread_safe", False) else 1
-            return _prepare_split(pipeline, layout, seed, epoch, indices, on_error, views, alloc, decoded, threads)
+            return _prepare_split(pipeline, layout, seed, epoch, indices, on_error, views, alloc, decoded)
         return _prepare(pipeline, layout, seed, epoch, indices, on_error, views, alloc)
 
 
 def _prepare_split(pipeline: Any, layout: Layout, seed: int, epoch: int, indices: np.ndarray, on_error: str,
                    views: int, alloc: Callable[[int], np.ndarray] | None,
-                   decoded: Decoded | None, threads: int = 1) -> tuple[PreparedChunk, ChunkTiming]:
+                   decoded: Decoded | None) -> tuple[PreparedChunk, ChunkTiming]:
     """:func:`prepare_chunk` for a pipeline with a prefix: prefix outputs (kept, or made here), then tails."""
 
-    def prefix(item: tuple[int, Any]) -> Any:  # a sample's prefix output, or the SampleError making it
-        index, raw = item
-        try:
-            return _sample(pipeline, index, raw, lambda r: pipeline.prefix(r, index))
-        except SampleError as error:
-            return error
-
-    def tail(item: tuple[int, Any]) -> Any:  # a sample's views, or the SampleError making them
-        index, packed = item
-        try:
-            return _sample(pipeline, index, packed, lambda p: pipeline.tail(p, seed, epoch, index, views))
-        except SampleError as error:
-            return error
-
-    def produce(ids: list[int]) -> list[Any]:
-        return _mapped(prefix, list(zip(ids, pipeline.fetch(ids, seed, epoch))), threads)
+    def produce(ids: list[int]) -> list[Any]:  # per sample its prefix output, or the SampleError making it
+        out: list[Any] = []
+        for index, raw in zip(ids, pipeline.fetch(ids, seed, epoch)):
+            try:
+                out.append(_sample(pipeline, index, raw, lambda r: pipeline.prefix(r, index)))
+            except SampleError as error:
+                out.append(error)
+        return out
 
     t0 = time.perf_counter()
     ids = [int(i) for i in indices]
@@ -259,11 +242,13 @@ def _prepare_split(pipeline: Any, layout: Layout, seed: int, epoch: int, indices
     skipped: list[tuple[int, str, str]] = []
     per_view: list[list[Any]] = [[] for _ in range(views)]
     kept: list[int] = []
-    for index, out in zip(ids, _mapped(tail, list(zip(ids, outputs)), threads)):
-        if isinstance(out, SampleError):
+    for index, packed in zip(ids, outputs):
+        try:
+            out = _sample(pipeline, index, packed, lambda p: pipeline.tail(p, seed, epoch, index, views))
+        except SampleError as error:
             if on_error == "raise":
-                raise out
-            skipped.append((out.index, out.path, out.reason))
+                raise
+            skipped.append((error.index, error.path, error.reason))
             continue
         for v in range(views):
             per_view[v].append(out[v])
@@ -271,17 +256,6 @@ def _prepare_split(pipeline: Any, layout: Layout, seed: int, epoch: int, indices
     rows = [layout.check(sample, kept[k], "data") for v in range(views) for k, sample in enumerate(per_view[v])]
     chunk = stack(layout, rows, np.tile(np.asarray(kept, dtype=np.int64), views), epoch, views, alloc)
     return chunk, ChunkTiming(t1 - t0, time.perf_counter() - t1, tuple(skipped), decodes=decodes, tier_hits=hits)
-
-
-def _mapped(call: Callable[[Any], Any], items: list[Any], threads: int) -> list[Any]:
-    """``[call(item) for item in items]``, on up to ``threads`` threads, each on a contiguous part."""
-    if threads <= 1 or len(items) < 2:
-        return [call(item) for item in items]
-    n = min(threads, len(items))
-    parts = [items[k * len(items) // n : (k + 1) * len(items) // n] for k in range(n)]
-    with ThreadPoolExecutor(n, thread_name_prefix="coordprep-prep") as pool:  # waits for every part
-        done = list(pool.map(lambda part: [call(item) for item in part], parts))
-    return [out for part in done for out in part]
 
 
 def _sample(pipeline: Any, index: int, value: Any, call: Callable[[Any], Any]) -> Any:

@@ -79,8 +79,6 @@ class ImagePipeline:
         self.train_batch = self._train_batch if hasattr(preprocessor, "train_batch") else None
         splits = hasattr(preprocessor, "augment") and self.train_batch is None
         self.prefix_key = prefix_key(dataset, []) if splits else None
-        # Its samples may be prepared on several threads at once (pipeline/chunk.py): the backend says so.
-        self.thread_safe = bool(getattr(preprocessor, "thread_safe", False))
 
     def __len__(self) -> int:
         return len(self.source)

@@ -95,10 +95,9 @@ class PrepActor:
         return n, probe(pipeline, spec.seed, ids, spec.ragged, spec.views if mode == "train" else 1, mode, where)
 
     def prepare(self, key: str, box: SpecBox, epoch: int, indices: np.ndarray,
-                layout: Layout, threads: int = 1) -> tuple[ChunkTiming, PreparedChunk]:
-        """Prepare one piece of group ``key``, on ``threads`` threads where its pipeline allows
-        (:func:`prepare_chunk`). Returns (timing, piece) as two objects: the coordinator awaits the
-        small first one and never pulls the piece into its own process."""
+                layout: Layout) -> tuple[ChunkTiming, PreparedChunk]:
+        """Prepare one piece of group ``key``. Returns (timing, piece) as two objects: the
+        coordinator awaits the small first one and never pulls the piece into its own process."""
         self.imported()
         cpu = time.process_time()
         pipeline = self._pipeline(key, box)
@@ -106,8 +105,7 @@ class PrepActor:
         cached = getattr(pipeline, "cached", None)
         reads, hits = (cached.storage_reads, cached.cache_hits) if cached else (0, 0)
         chunk, timing = prepare_chunk(pipeline, layout, spec.seed, epoch, indices, spec.on_error, spec.views,
-                                      alloc=self._buffer, decoded=self._tier.outputs if self._tier else None,
-                                      threads=threads)
+                                      alloc=self._buffer, decoded=self._tier.outputs if self._tier else None)
         # The put stage (serialising into the object store) happens after this returns; the
         # coordinator measures it as the time from here until it learns the task finished.
         if cached is not None:

@@ -124,9 +124,6 @@ class Coordinator(Producer):
         self.oversized = False  # warned that one piece outgrew the budget
         self.actors = actors
         self.max_in_flight = 2 * n_actors  # keep every actor busy while one result travels back
-        # An actor prepares a piece on the node's CPUs it has alone (pipeline/chunk.py, threads).
-        self.node_cpus = _node_cpus(node_id)
-        self.threads = max(1, int(self.node_cpus) // max(n_actors, 1))
         self.in_flight = 0
         self.tasks: dict[int, ray.ObjectRef] = {}  # piece -> its prep task's timing reference, while in flight
         self.changed = asyncio.Condition()
@@ -395,7 +392,6 @@ class Coordinator(Producer):
         """The node's prep actors, after the pool grew: pieces go to every one of them from now on."""
         self.actors = list(actors)
         self.max_in_flight = 2 * len(self.actors)
-        self.threads = max(1, int(self.node_cpus) // len(self.actors))
         if self.spec.lookahead is None:  # as for a pool of this size from the start
             self.buffer.lookahead = self.stats["lookahead"] = max(8, 4 * len(self.actors))
         self.stats["prep_actors"] = len(self.actors)
@@ -439,8 +435,3 @@ def _counts_served(consumer: str) -> bool:
     together read the trial's epoch once: rank 0's fetches count it, the other ranks' none (the
     sharing factor, served over prepared, is then the real saving)."""
     return "@" not in consumer or consumer.rsplit("@", 1)[1] == "0"
-
-
-def _node_cpus(node: str) -> float:
-    """The CPUs of node ``node`` as Ray counts them (1 if it does not say)."""
-    return next((float(n["Resources"].get("CPU", 1.0)) for n in ray.nodes() if n["NodeID"] == node), 1.0)

@@ -73,7 +73,7 @@ class Producer:
         epoch, _ = self.plan.locate(g)
         actor = self.actors[g % len(self.actors)]
         timing_ref, chunk_ref = actor.prepare.options(num_returns=2).remote(
-            self.spec.group_key, self.box, epoch, self.plan.chunk_samples(g), self.layout, self.threads)
+            self.spec.group_key, self.box, epoch, self.plan.chunk_samples(g), self.layout)
         self.in_flight += 1
         self.tasks[g] = timing_ref
         task = asyncio.get_running_loop().create_task(self._settle(slot.g, timing_ref, chunk_ref))

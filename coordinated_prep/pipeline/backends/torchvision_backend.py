@@ -25,10 +25,6 @@ class TorchvisionPreprocessor:
         pipeline: The declarative preprocessing spec.
     """
 
-    #: Safe on several threads at once: every draw is an explicit function of (seed, epoch, sample,
-    #: view) (``augment.crop_params``), and decode and resize release the GIL.
-    thread_safe = True
-
     def __init__(self, pipeline: PipelineSpec) -> None:
         self.pipeline = pipeline
 
