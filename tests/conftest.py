@@ -99,6 +99,16 @@ def _ray_down_at_the_end():
     own_ray()
 
 
+@pytest.fixture
+def node_cache(tmp_path, monkeypatch) -> str:
+    """A node shard cache of this test's own (the session's is shared by every test), no backoff."""
+    from coordinated_prep.pipeline.sources import remote
+
+    monkeypatch.setenv("COORDPREP_CACHE", str(tmp_path / "node"))
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.0)
+    return str(tmp_path / "node" / "shards")
+
+
 @pytest.fixture(scope="module")
 def small_dataset(tmp_path_factory) -> str:
     """An ImageFolder of 3 classes x 60 images (JPEG and PNG), 48 x 40 px."""

@@ -18,14 +18,6 @@ from tests.servers import Server
 
 
 @pytest.fixture
-def node_cache(tmp_path, monkeypatch) -> str:
-    """A node shard cache of this test's own, no backoff."""
-    monkeypatch.setenv("COORDPREP_CACHE", str(tmp_path / "node"))
-    monkeypatch.setattr(remote, "BACKOFF_S", 0.0)
-    return str(tmp_path / "node" / "shards")
-
-
-@pytest.fixture
 def served(small_dataset, tmp_path):
     """The small ImageFolder (3 classes, nested folders, a non-image file) copied under an HTTP server."""
     shutil.copytree(small_dataset, tmp_path / "served" / "photos")

@@ -28,14 +28,6 @@ from tests.servers import Server
 
 
 @pytest.fixture
-def node_cache(tmp_path, monkeypatch) -> str:
-    """A node shard cache of this test's own (the session's is shared by every test), no backoff."""
-    monkeypatch.setenv("COORDPREP_CACHE", str(tmp_path / "node"))
-    monkeypatch.setattr(remote, "BACKOFF_S", 0.0)
-    return str(tmp_path / "node" / "shards")
-
-
-@pytest.fixture
 def shards(small_dataset, tmp_path) -> str:
     """The small dataset as 3 tar shards of 64, 64 and 52 samples."""
     return convert_to_tar(small_dataset, str(tmp_path / "served"), shard_size=64).out
