@@ -66,3 +66,35 @@ def test_outside_a_sweep_each_process_walks_for_itself(tmp_path):
         ImageFolderSource(root)
         ImageFolderSource(root)
     assert opens.dir_opens[first] == 2  # the counter sees walks: the sweep test's 1 is not blindness
+
+
+def test_a_folder_url_is_listed_once_for_the_sweep_and_a_failed_listing_is_tried_again(
+        ray_session, warm_pool, small_dataset, tmp_path, node_cache):
+    """Every process of the sweep's job that opens a folder URL (here the driver and two tasks, as a
+    coordinator and the prep actors of any node) borrows the registry's one listing of it."""
+    import shutil
+
+    import pytest
+    import ray
+
+    from coordinated_prep.errors import DatasetError
+    from coordinated_prep.pipeline.sources import open_source
+    from tests.servers import Server
+
+    with Server("http", str(tmp_path / "http.log"), str(tmp_path / "served")) as server:
+        url = f"{server.url}/photos"
+        searcher = CoordinatedSearcher(pool=warm_pool)
+        searcher.start()
+        try:
+            with pytest.raises(DatasetError, match="does not exist"):  # through the registry, named as here
+                open_source.__wrapped__(url)
+            shutil.copytree(small_dataset, tmp_path / "served" / "photos")  # the store answers now
+            here = open_source.__wrapped__(url)
+            opened = ray.get([ray.remote(num_cpus=0)(lambda: open_source.__wrapped__(url).labels.tolist()).remote()
+                              for _ in range(2)])
+        finally:
+            searcher.close()
+        pages = {p: n for (method, p), n in server.requests().items() if method == "GET" and p.endswith("/")}
+    assert opened == [here.labels.tolist()] * 2 and len(here) == 180
+    classes = [f"/photos/{c}/" for c in sorted(os.listdir(small_dataset))]
+    assert {c: pages.get(c) for c in classes} == {c: 1 for c in classes}, f"each folder's page read once: {pages}"

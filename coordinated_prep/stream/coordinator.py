@@ -62,7 +62,7 @@ from coordinated_prep import metrics
 from coordinated_prep.errors import ConfigError, PrepError
 from coordinated_prep.pipeline.part import part_ids, part_mask
 from coordinated_prep.pipeline.probe import Probe
-from coordinated_prep.pipeline.sources import open_source
+from coordinated_prep.pipeline.sources import open_source_async
 from coordinated_prep.pipeline.sources.fingerprint import Fingerprint, index_fingerprint
 from coordinated_prep.pipeline.sources.shared_index import remember
 from coordinated_prep.plan import stream_plan
@@ -401,7 +401,8 @@ class Coordinator(Producer):
         """The fingerprint of this node's copy of the dataset's index (compared across nodes)."""
         if not isinstance(self.spec.dataset, str):
             return None  # a dataset object or factory: the same object on every node
-        return await asyncio.to_thread(index_fingerprint, open_source(self.spec.dataset), self.spec.dataset)
+        source = await open_source_async(self.spec.dataset)  # a folder URL's listing awaited, not fetched blocking
+        return await asyncio.to_thread(index_fingerprint, source, self.spec.dataset)
 
     async def report(self) -> dict[str, Any]:
         """Counters for the sweep summary and tests."""

@@ -29,23 +29,33 @@ _WALK_TIMEOUT_S = 3600.0  # the walk itself (readdir only), once per dataset and
 class Indexes:
     """The registry's half for dataset indexes (:class:`~coordinated_prep.stream.registry.GroupRegistry` inherits it).
 
-    It owns ``_folder_indexes`` (the walk of each ImageFolder per node, until shutdown) and ``_indexes``
+    It owns ``_folder_indexes`` (the walk of each ImageFolder per node, and the listing of each folder
+    URL, until shutdown) and ``_indexes``
     (each dataset's first fingerprint), both created by the registry's constructor.
     """
 
     async def folder_index(self, root: str, node: str) -> list[ray.ObjectRef]:
-        """The index of ImageFolder ``root`` on ``node``, walked once per sweep and node (in a list:
-        the caller gets the reference, not the index, and borrows the object).
+        """The index of ImageFolder ``root`` on ``node``, walked once per sweep and node (a URL's
+        listing once per sweep), in a list: the caller gets the reference, not the index, and borrows
+        the object.
 
         Raises:
             DatasetError: The walk found no usable ImageFolder.
         """
-        key = (root, node)
+        from coordinated_prep.pipeline.sources.remote import is_url
+
+        key = (root, "" if is_url(root) else node)  # a URL's listing is the same from every node
         if key not in self._folder_indexes:  # concurrent first callers share one walk
             here = ray.get_runtime_context().get_node_id()
             self._folder_indexes[key] = asyncio.ensure_future(walk(root, node, here))
             logger.info("indexing dataset %s on node %s once for the sweep", root, node[:12])
-        return [await asyncio.shield(self._folder_indexes[key])]
+        walking = self._folder_indexes[key]
+        try:
+            return [await asyncio.shield(walking)]
+        except Exception:
+            if is_url(root) and walking.done() and self._folder_indexes.get(key) is walking:
+                del self._folder_indexes[key]  # a store may fail for a while: the next opener lists again
+            raise
 
     async def _check_index(self, dataset: Any, node: str, coordinator: Any, files: int = 0) -> None:
         """Refuse a node whose copy of ``dataset`` indexes other samples than the first node's.

@@ -5,7 +5,8 @@ CoordinatedSearcher (driver) -> GroupRegistry -> NodePool per node (prep actors,
                                               -> Coordinator per group and node -> pieces;
 GroupRegistry -> EvalSet per evaluation pipeline -> resident evaluation pieces (until shutdown);
 GroupRegistry -> RawCache per node (when the sweep has a cache) -> cached samples;
-GroupRegistry -> the index of each ImageFolder per node (until shutdown; see sources/shared_index.py).
+GroupRegistry -> the index of each ImageFolder per node, and the listing of each folder URL (until
+                 shutdown; see sources/shared_index.py).
 
 Membership (who keeps a group's coordinator alive) is kept per group key, apart from the coordinator
 itself, and changes only under the key's lock, in one step per trial:

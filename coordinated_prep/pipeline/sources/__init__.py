@@ -104,6 +104,8 @@ async def open_source_async(dataset: str) -> DataSource:
     from coordinated_prep.pipeline.sources.shared_index import shared_index_async
 
     root = await asyncio.to_thread(folder_root, dataset)
+    if root is None and is_remote_folder(dataset):
+        root = dataset  # listed once for the sweep, too
     if root is not None:
         await shared_index_async(root)
     return await asyncio.to_thread(open_source, dataset)

@@ -28,8 +28,12 @@ as a :class:`~coordinated_prep.errors.DatasetError` naming the URLs and the fix.
 no image is refused, as a local ImageFolder's is.
 
 Processes: the filesystem is looked up again in a forked process (fsspec's are not fork-safe), so a
-``DataLoader``'s forked workers read too. Each opening process lists the tree itself (a node shares
-the copies, not the listing).
+``DataLoader``'s forked workers read too. In a sweep the tree is listed once for the whole sweep: the
+group registry lists it (:func:`listing`), in its own process on the driver's node with that node's
+fsspec and credentials, and keeps the result in the object store; every process of the sweep's job
+that opens the folder (coordinators, prep actors on any node) borrows it
+(:mod:`~coordinated_prep.pipeline.sources.shared_index`). Outside a sweep each process lists it itself.
+(A folder of tar shards shares only that first look at its top; each process lists its shards.)
 
 Versions: a copy is named after its URL and, where the listing gives them (S3), the file's size and
 ETag, so a file replaced at its URL is fetched again. An HTTP directory page gives neither: delete
@@ -72,7 +76,31 @@ def is_remote_folder(dataset: str) -> bool:
 
 def open_remote_folder(url: str) -> Any:
     """The dataset a folder URL holds: tar shards if ``*.tar`` files lie at its top (as a local folder
-    of shards), otherwise an ImageFolder (:class:`RemoteFolderSource`).
+    of shards), otherwise an ImageFolder (:class:`RemoteFolderSource`), from the sweep's listing of it
+    (listed here outside a sweep).
+
+    Raises:
+        DatasetError: The folder cannot be listed, or holds neither (names the URL and what it may hold).
+    """
+    from coordinated_prep.pipeline.sources.shared_index import shared_index
+
+    found = shared_index(url)
+    if found is None:
+        found = listing(url)
+    if found == TAR:  # (a copy of it, from the object store)
+        from coordinated_prep.pipeline.sources.tar_shards import TarShardSource
+
+        return TarShardSource(url if url.endswith("/") else url + "/")
+    return RemoteFolderSource(url, found)
+
+
+#: What :func:`listing` gives for a folder of tar shards (they are listed by the shard source).
+TAR = "tar shards"
+
+
+def listing(url: str) -> Any:
+    """The tree under folder ``url`` (fsspec's ``find``: path -> its type, size and version, folders
+    included), or :data:`TAR` where ``*.tar`` files lie at its top (their shard source lists them).
 
     Raises:
         DatasetError: The folder cannot be listed, or holds neither (names the URL and what it may hold).
@@ -87,9 +115,7 @@ def open_remote_folder(url: str) -> Any:
         raise DatasetError(f"dataset {url!r}: cannot list it ({e!r}); {_FIX}") from e
     files = [e["name"].rsplit("/", 1)[-1] for e in top if e["type"] != "directory"]
     if any(name.endswith(".tar") for name in files):
-        from coordinated_prep.pipeline.sources.tar_shards import TarShardSource
-
-        return TarShardSource(url if url.endswith("/") else url + "/")
+        return TAR
     if "coordprep-parquet.json" in files:
         raise DatasetError(f"dataset {url!r} holds no *.tar shards; a Parquet dataset in object storage is named by "
                            f"its manifest's URL ({url.rstrip('/')}/coordprep-parquet.json)")
@@ -97,7 +123,15 @@ def open_remote_folder(url: str) -> Any:
         raise DatasetError(f"dataset {url!r} holds no class folders and no *.tar shards: a folder in object storage "
                            "is read as an ImageFolder (<url>/<class>/<image>) or as WebDataset tar shards (*.tar at "
                            "its top); a Parquet dataset is named by its manifest's URL (.../coordprep-parquet.json)")
-    return RemoteFolderSource(url)
+    try:
+        found = fs.find(root, detail=True, withdirs=True)
+    except Exception as e:
+        raise DatasetError(f"dataset {url!r}: cannot list it ({e!r}); {_FIX}") from e
+    return {path: {k: info[k] for k in _LISTED if k in info} for path, info in found.items()}
+
+
+#: What a listing keeps of each entry's details: what indexing and naming a copy read.
+_LISTED = ("type", "size", "ETag", "etag", "LastModified")
 
 
 class RemoteFolderSource:
@@ -105,18 +139,20 @@ class RemoteFolderSource:
 
     Args:
         url: The folder's URL (``s3://bucket/photos``, ``http://host/photos/``).
+        found: Its tree as :func:`listing` gives it (the sweep's); None: listed here.
 
     Raises:
         DatasetError: The folder cannot be listed, has no class folders, or a class has no images.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, found: dict[str, dict] | None = None) -> None:
         self.root = url
         root = remote._filesystem(url)[1].rstrip("/")
-        try:
-            found = self.fs.find(root, detail=True, withdirs=True)
-        except Exception as e:
-            raise DatasetError(f"dataset {url!r}: cannot list it ({e!r}); {_FIX}") from e
+        if found is None:
+            try:
+                found = self.fs.find(root, detail=True, withdirs=True)
+            except Exception as e:
+                raise DatasetError(f"dataset {url!r}: cannot list it ({e!r}); {_FIX}") from e
         files, ignored, folders = [], [], set()
         for path, info in found.items():
             if path.rstrip("/") == root:

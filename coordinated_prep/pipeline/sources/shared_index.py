@@ -1,5 +1,8 @@
 """One walk of an ImageFolder per sweep and node: the group registry keeps the index in the object store.
 
+A folder in object storage (a URL) is listed once per sweep, whatever the node, the same way
+(:func:`~coordinated_prep.pipeline.sources.remote_folder.listing`).
+
 Ownership: the sweep's :class:`~coordinated_prep.stream.registry.GroupRegistry` owns one index object per
 (dataset directory, node), made on first request and kept until the registry shuts down. On the
 registry's own node it walks the tree in a thread of its own process and puts the result; on another
@@ -26,7 +29,7 @@ _TIMEOUT_S = 600.0  # an ImageNet-sized tree on a slow network filesystem takes 
 #: Indexes this process already holds (root -> index), handed to it without a blocking ``ray.get``:
 #: a coordinator gets its node's index as an argument, an async actor awaits it
 #: (:func:`shared_index_async`). An async actor's ``ray.get`` would block its event loop.
-_HELD: dict[str, FolderIndex] = {}
+_HELD: dict[str, Any] = {}  # a FolderIndex, or a URL's listing
 
 
 def remember(index: FolderIndex) -> None:
@@ -40,8 +43,9 @@ def forget() -> None:
     _HELD.clear()
 
 
-def shared_index(root: str) -> FolderIndex | None:
-    """The sweep's index of ImageFolder ``root`` on this node, or None outside a sweep.
+def shared_index(root: str) -> Any:
+    """The sweep's index of ImageFolder ``root`` on this node (for a URL, its listing), or None
+    outside a sweep.
 
     Raises:
         DatasetError: The walk found no usable ImageFolder (the same error a local walk raises).
@@ -88,7 +92,7 @@ async def shared_index_async(root: str) -> None:
         return
     try:
         [ref] = await asyncio.wait_for(registry.folder_index.remote(root, context.get_node_id()), _TIMEOUT_S)
-        remember(await asyncio.wait_for(ref, _TIMEOUT_S))
+        _HELD[root] = await asyncio.wait_for(ref, _TIMEOUT_S)
     except ray.exceptions.RayTaskError as e:
         if isinstance(e.cause, DatasetError):
             raise e.cause from None
@@ -101,7 +105,9 @@ async def walk(root: str, node: str, local_node: str) -> Any:
     """Walk ``root`` on ``node``; a reference to its :class:`FolderIndex`, owned by the caller.
 
     On ``local_node`` (the caller's) the walk runs in a thread of the calling process, so no worker
-    process has to start for it; elsewhere in a zero-CPU task pinned to ``node``.
+    process has to start for it; elsewhere in a zero-CPU task pinned to ``node``. A URL is listed in
+    a thread of the calling process whatever ``node`` (the reference is then to its listing,
+    :func:`~coordinated_prep.pipeline.sources.remote_folder.listing`).
 
     Raises:
         DatasetError: A walk on the local node found no usable ImageFolder (on another node, the
@@ -110,6 +116,12 @@ async def walk(root: str, node: str, local_node: str) -> Any:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from coordinated_prep.pipeline.sources.remote import is_url
+
+    if is_url(root):  # a folder in object storage: one listing, here, whatever the node
+        from coordinated_prep.pipeline.sources.remote_folder import listing
+
+        return await asyncio.to_thread(lambda: ray.put(listing(root)))  # pickled off the event loop too
     if node == local_node:
         return ray.put(await asyncio.to_thread(scan, root))
     affinity = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
