@@ -68,33 +68,44 @@ def test_outside_a_sweep_each_process_walks_for_itself(tmp_path):
     assert opens.dir_opens[first] == 2  # the counter sees walks: the sweep test's 1 is not blindness
 
 
+
 def test_a_folder_url_is_listed_once_for_the_sweep_and_a_failed_listing_is_tried_again(
         ray_session, warm_pool, small_dataset, tmp_path, node_cache):
-    """Every process of the sweep's job that opens a folder URL (here the driver and two tasks, as a
-    coordinator and the prep actors of any node) borrows the registry's one listing of it."""
+    """Every process of the sweep's job that opens a folder URL (here the driver, then two tasks, as a
+    coordinator and the prep actors of any node) borrows the registry's one listing of it: the later
+    openers cost no listing request. The same for a folder of tar shards."""
     import shutil
 
     import pytest
     import ray
 
+    from coordinated_prep.convert.tar import convert_to_tar
     from coordinated_prep.errors import DatasetError
     from coordinated_prep.pipeline.sources import open_source
     from tests.servers import Server
 
+    def pages(server: Server) -> dict[str, int]:  # a folder's page is a listing's request
+        return {p: n for (method, p), n in server.requests().items() if method == "GET" and p.endswith("/")}
+
+    convert_to_tar(small_dataset, str(tmp_path / "served" / "tars"), shard_size=64)
     with Server("http", str(tmp_path / "http.log"), str(tmp_path / "served")) as server:
-        url = f"{server.url}/photos"
         searcher = CoordinatedSearcher(pool=warm_pool)
         searcher.start()
         try:
             with pytest.raises(DatasetError, match="does not exist"):  # through the registry, named as here
-                open_source.__wrapped__(url)
+                open_source.__wrapped__(f"{server.url}/photos")
             shutil.copytree(small_dataset, tmp_path / "served" / "photos")  # the store answers now
-            here = open_source.__wrapped__(url)
-            opened = ray.get([ray.remote(num_cpus=0)(lambda: open_source.__wrapped__(url).labels.tolist()).remote()
-                              for _ in range(2)])
+            for folder in ("photos", "tars"):
+                url = f"{server.url}/{folder}"
+                here = open_source.__wrapped__(url)
+                listed = pages(server)
+                opened = ray.get([ray.remote(num_cpus=0)(lambda: open_source.__wrapped__(url).labels.tolist()).remote()
+                                  for _ in range(2)])
+                assert opened == [here.labels.tolist()] * 2 and len(here) == 180, folder
+                assert pages(server) == listed, f"{folder}: the later openers listed it again"
+                assert listed.get(f"/{folder}/"), f"{folder}: the counter sees the listing: {listed}"
+            final = pages(server)
         finally:
             searcher.close()
-        pages = {p: n for (method, p), n in server.requests().items() if method == "GET" and p.endswith("/")}
-    assert opened == [here.labels.tolist()] * 2 and len(here) == 180
     classes = [f"/photos/{c}/" for c in sorted(os.listdir(small_dataset))]
-    assert {c: pages.get(c) for c in classes} == {c: 1 for c in classes}, f"each folder's page read once: {pages}"
+    assert {c: final.get(c) for c in classes} == {c: 1 for c in classes}, f"one listing for three openers: {final}"

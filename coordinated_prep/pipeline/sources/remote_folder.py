@@ -33,7 +33,7 @@ group registry lists it (:func:`listing`), in its own process on the driver's no
 fsspec and credentials, and keeps the result in the object store; every process of the sweep's job
 that opens the folder (coordinators, prep actors on any node) borrows it
 (:mod:`~coordinated_prep.pipeline.sources.shared_index`). Outside a sweep each process lists it itself.
-(A folder of tar shards shares only that first look at its top; each process lists its shards.)
+(A folder of tar shards is listed once per sweep too: its shards' URLs.)
 
 Versions: a copy is named after its URL and, where the listing gives them (S3), the file's size and
 ETag, so a file replaced at its URL is fetched again. An HTTP directory page gives neither: delete
@@ -87,20 +87,20 @@ def open_remote_folder(url: str) -> Any:
     found = shared_index(url)
     if found is None:
         found = listing(url)
-    if found == TAR:  # (a copy of it, from the object store)
+    if isinstance(found, tuple):  # (TAR, its shards' URLs)
         from coordinated_prep.pipeline.sources.tar_shards import TarShardSource
 
-        return TarShardSource(url if url.endswith("/") else url + "/")
+        return TarShardSource(url if url.endswith("/") else url + "/", names=found[1])
     return RemoteFolderSource(url, found)
 
 
-#: What :func:`listing` gives for a folder of tar shards (they are listed by the shard source).
+#: What :func:`listing` gives first for a folder of tar shards, with their URLs.
 TAR = "tar shards"
 
 
 def listing(url: str) -> Any:
     """The tree under folder ``url`` (fsspec's ``find``: path -> its type, size and version, folders
-    included), or :data:`TAR` where ``*.tar`` files lie at its top (their shard source lists them).
+    included), or ``(TAR, URLs of its shards)`` where ``*.tar`` files lie at its top.
 
     Raises:
         DatasetError: The folder cannot be listed, or holds neither (names the URL and what it may hold).
@@ -115,7 +115,7 @@ def listing(url: str) -> Any:
         raise DatasetError(f"dataset {url!r}: cannot list it ({e!r}); {_FIX}") from e
     files = [e["name"].rsplit("/", 1)[-1] for e in top if e["type"] != "directory"]
     if any(name.endswith(".tar") for name in files):
-        return TAR
+        return TAR, remote.list_shards(url if url.endswith("/") else url + "/")
     if "coordprep-parquet.json" in files:
         raise DatasetError(f"dataset {url!r} holds no *.tar shards; a Parquet dataset in object storage is named by "
                            f"its manifest's URL ({url.rstrip('/')}/coordprep-parquet.json)")

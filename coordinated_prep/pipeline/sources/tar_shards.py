@@ -106,17 +106,20 @@ class TarShardSource:
 
     Args:
         dataset: A directory of shards, one shard, or a brace pattern.
+        names: Its shards (their URLs), where they were listed already (a sweep's listing of a folder
+            URL); None: listed here.
 
     Raises:
         DatasetError: No shard, a missing shard, a file that is not a tar, a sample with no image
             member or no integer ``cls`` member (each named by shard and key, with the fix).
     """
 
-    def __init__(self, dataset: str) -> None:
+    def __init__(self, dataset: str, names: Sequence[str] | None = None) -> None:
         dataset = local_path(dataset)
         remote = is_url(dataset)
         self.root = dataset if is_tar_pattern(dataset) or remote else os.path.abspath(os.path.expanduser(dataset))
-        self.urls: tuple[str, ...] = tuple(shard_names(dataset))  # what errors name: paths, or the URLs
+        # what errors name: paths, or the URLs
+        self.urls: tuple[str, ...] = tuple(shard_names(dataset) if names is None else names)
         self.shards: tuple[str, ...] = tuple(fetched(self.urls)) if remote else self.urls  # local paths
         shard, offsets, sizes, labels, keys = [], [], [], [], []
         for s, (path, name) in enumerate(zip(self.shards, self.urls)):
