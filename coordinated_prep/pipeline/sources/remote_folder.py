@@ -123,15 +123,20 @@ def listing(url: str) -> Any:
         raise DatasetError(f"dataset {url!r} holds no class folders and no *.tar shards: a folder in object storage "
                            "is read as an ImageFolder (<url>/<class>/<image>) or as WebDataset tar shards (*.tar at "
                            "its top); a Parquet dataset is named by its manifest's URL (.../coordprep-parquet.json)")
+    return _tree(fs, root, url)
+
+
+#: What a listing keeps of each entry's details: what indexing and naming a copy read.
+_LISTED = ("type", "size", "ETag", "etag", "LastModified")
+
+
+def _tree(fs: Any, root: str, url: str) -> dict[str, dict]:
+    """Every path under ``root`` (folders included), with the details :data:`_LISTED` of each."""
     try:
         found = fs.find(root, detail=True, withdirs=True)
     except Exception as e:
         raise DatasetError(f"dataset {url!r}: cannot list it ({e!r}); {_FIX}") from e
     return {path: {k: info[k] for k in _LISTED if k in info} for path, info in found.items()}
-
-
-#: What a listing keeps of each entry's details: what indexing and naming a copy read.
-_LISTED = ("type", "size", "ETag", "etag", "LastModified")
 
 
 class RemoteFolderSource:
@@ -149,10 +154,7 @@ class RemoteFolderSource:
         self.root = url
         root = remote._filesystem(url)[1].rstrip("/")
         if found is None:
-            try:
-                found = self.fs.find(root, detail=True, withdirs=True)
-            except Exception as e:
-                raise DatasetError(f"dataset {url!r}: cannot list it ({e!r}); {_FIX}") from e
+            found = _tree(self.fs, root, url)
         files, ignored, folders = [], [], set()
         for path, info in found.items():
             if path.rstrip("/") == root:
