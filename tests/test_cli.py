@@ -25,6 +25,31 @@ def test_resume_without_a_saved_sweep_exits_2_naming_the_directory(tmp_path, cap
     assert "no interrupted sweep to resume in" in err and str(tmp_path / "runs" / "default") in err
 
 
+def test_a_dataset_url_this_machine_cannot_read_exits_2_before_ray_starts(tmp_path, capsys, monkeypatch):
+    import socket
+
+    from coordinated_prep.sweep import runner
+    from tests.servers import Server
+
+    def refuse_ray(*args, **kwargs):
+        raise AssertionError("Ray was started for a sweep whose dataset cannot be read")
+
+    monkeypatch.setattr(runner, "start_ray", refuse_ray)
+    monkeypatch.setattr("ray.is_initialized", lambda: False)
+    with socket.socket() as s:  # a port nothing listens on: its connections are refused
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    (tmp_path / "served").mkdir()
+    with Server("http", str(tmp_path / "http.log"), str(tmp_path / "served")) as server:
+        for dataset, error in ((f"{closed}/photos/", "cannot list it"), (f"{server.url}/photos/", "does not exist"),
+                               (f"{server.url}/shards-{{0000..0003}}.tar", "shards-0000.tar' does not exist")):
+            path = tmp_path / "url.yaml"
+            path.write_text(f"trainable: small_cnn\ndata: {{dataset: '{dataset}'}}\nsearch_space: {{lr: 0.1, batch_size: 8, epochs: 1}}\n")
+            assert main(["sweep", str(path)]) == 2, dataset
+            err = capsys.readouterr().err
+            assert str(path) in err and repr(dataset) in err and error in err, err
+
+
 def test_dry_run_validates_without_ray(capsys):
     assert main(["sweep", "experiments/default.yaml", "--dry-run"]) == 0
     assert "valid" in capsys.readouterr().out

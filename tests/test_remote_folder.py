@@ -67,6 +67,25 @@ def test_a_folder_url_is_indexed_as_imagefolder_and_each_file_is_fetched_once_pe
     assert again.read(n - 1) == local.read(n - 1) and _file_gets(server) == gets
 
 
+def test_opening_a_folder_reads_each_folder_page_once_and_a_tar_folder_its_top_once(served, tmp_path, node_cache):
+    """A listing over HTTP asks for each folder's page once, with its trailing slash (without one the
+    server redirects: a second request per folder), and nothing else; tar shards are found in the
+    same one read of the folder's top."""
+    from coordinated_prep.convert.tar import convert_to_tar
+
+    server, folder = served
+    open_source.__wrapped__(f"{server.url}/photos")  # as a user writes it, without the trailing slash
+    pages = {"/photos/"} | {f"/photos/{os.path.relpath(d, folder)}/" for d, _, _ in os.walk(folder) if d != folder}
+    assert server.requests() == {("GET", page): 1 for page in pages}, "each page once, no redirect, no HEAD"
+
+    convert_to_tar(folder, str(tmp_path / "served" / "tars"), shard_size=64)
+    before = server.requests()
+    shards = open_source.__wrapped__(f"{server.url}/tars")
+    asked = {k: n - before.get(k, 0) for k, n in server.requests().items() if n != before.get(k, 0)}
+    assert {k: n for k, n in asked.items() if not k[1].endswith(".tar")} == {("GET", "/tars/"): 1}, asked
+    assert len(shards) == len(open_source.__wrapped__(folder))
+
+
 def test_a_file_gone_since_listing_is_that_samples_error_and_a_failing_store_is_named_after_bounded_retries(
         served, node_cache):
     server, folder = served

@@ -44,6 +44,27 @@ def preflight(cfg: Any) -> int:
     return len(variants)
 
 
+def check_reachable(cfg: Any) -> None:
+    """Ask each dataset URL the sweep ``cfg`` can read for one listing or one file's details, here,
+    before Ray starts: a URL that cannot be reached from this machine (a server refusing connections,
+    credentials missing, no such bucket or file) fails at once, named, instead of in every trial.
+    One request per URL; local datasets were checked when the file was loaded.
+
+    Raises:
+        ConfigError: Naming the file, the dataset, the cause and the fix.
+    """
+    from coordinated_prep.errors import DatasetError
+    from coordinated_prep.pipeline.sources.remote import is_url
+    from coordinated_prep.pipeline.sources.remote_folder import reach
+
+    variants = cfg.data_search.variants(cfg.search_space) if cfg.data_search is not None else [({}, cfg.data)]
+    for url in sorted({s.dataset for _, s in variants if isinstance(s.dataset, str) and is_url(s.dataset)}):
+        try:
+            reach(url)
+        except DatasetError as e:
+            raise ConfigError(f"{cfg.path}: data.dataset: {e}") from None
+
+
 def try_spec(spec: DataSpec, where: str = "data", probe_it: bool = True) -> None:
     """Build ``spec``'s factories and prepare its first training and held-out samples here (with
     ``probe_it``; without, for a spec whose group was probed already, its part is checked and a fold's

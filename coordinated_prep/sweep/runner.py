@@ -12,6 +12,7 @@ from coordinated_prep.errors import ConfigError
 from coordinated_prep.tune.results import saved_reports
 from coordinated_prep.tune.searcher import CoordinatedSearcher
 from coordinated_prep.sweep.config import SweepConfig
+from coordinated_prep.sweep.preflight import check_reachable
 from coordinated_prep.sweep.summary import build_summary, write_summary
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,8 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1, resume: bool = False,
             every ``progress_every_s`` seconds and at the end; None for none.
 
     Raises:
-        ConfigError: ``resume`` with no saved sweep to resume.
+        ConfigError: ``resume`` with no saved sweep to resume, or a dataset URL this machine cannot
+            read (:func:`~coordinated_prep.sweep.preflight.check_reachable`), before Ray starts.
     """
     import ray
     from ray import tune
@@ -47,6 +49,7 @@ def run_sweep(cfg: SweepConfig, verbose: int = 1, resume: bool = False,
     if resume and not tune.Tuner.can_restore(path):
         raise ConfigError(f"{cfg.path}: no interrupted sweep to resume in {path} (no experiment state there); "
                           "run it without --resume, or check name and storage_path")
+    check_reachable(cfg)  # a dataset URL this machine cannot read fails here, not in every trial
     if not ray.is_initialized():
         start_ray(cfg.ray)
     # An unshared sweep (data.coordinated: false) has nothing to coordinate: no CoordinatedSearcher, no prep pool.

@@ -67,14 +67,33 @@ def list_shards(url: str) -> list[str]:
     """
     fs, path = _filesystem(url)
     try:
-        found = sorted(fs.glob(path.rstrip("/") + "/*.tar"))
+        entries = list_folder(fs, path)
     except Exception as e:  # each filesystem raises its own errors (ClientError, aiohttp's, OSError)
         raise DatasetError(f"dataset {url!r}: cannot list its shards ({e!r}); check the URL and the "
                            "credentials, or name the shards with a pattern such as 'train-{0000..0063}.tar'") from e
+    found = shard_urls(fs, entries)
     if not found:
         raise DatasetError(f"dataset {url!r} holds no *.tar shards; a Parquet dataset in object storage is named by "
                            f"its manifest's URL ({url.rstrip('/')}/coordprep-parquet.json)")
-    return [fs.unstrip_protocol(p) for p in found]
+    return found
+
+
+def list_folder(fs, path: str) -> list[dict]:
+    """The entries at the top of folder ``path`` (fsspec's ``ls``, with details): one request. Over
+    HTTP the folder's page is asked for with its trailing slash: without one a server answers with a
+    redirect to it, a second request per folder."""
+    return fs.ls(path.rstrip("/") + "/" if serves_pages(fs) else path.rstrip("/"), detail=True)
+
+
+def serves_pages(fs) -> bool:
+    """Whether ``fs`` lists a folder by reading its page (HTTP), not with a listing of its own (S3, GCS)."""
+    return "http" in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,))
+
+
+def shard_urls(fs, entries: list[dict]) -> list[str]:
+    """The URLs of the ``*.tar`` files among a folder's ``entries`` (:func:`list_folder`), sorted."""
+    return sorted(fs.unstrip_protocol(e["name"]) for e in entries
+                  if e.get("type") != "directory" and e["name"].endswith(".tar"))
 
 
 def fetched(urls: Sequence[str]) -> list[str]:

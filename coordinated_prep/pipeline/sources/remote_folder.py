@@ -3,7 +3,7 @@ fetched once per node.
 
 The layout is torchvision's ImageFolder, ``<url>/<class>/**/<file>``, with a local folder's image
 extensions. Opening lists the tree (on S3 one paged listing of the prefix; over HTTP one request per
-folder, reading the server's directory pages) and indexes it as ImageFolder walks a local copy:
+folder, reading the server's directory pages, each asked for with its trailing slash) and indexes it as ImageFolder walks a local copy:
 classes sorted, and in each class the files sorted by folder, then by name. So index ``i`` names the
 same file as a local ImageFolder of the same tree, and the same bytes.
 
@@ -49,6 +49,7 @@ import os
 import posixpath
 import time
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import numpy as np
@@ -105,17 +106,11 @@ def listing(url: str) -> Any:
     Raises:
         DatasetError: The folder cannot be listed, or holds neither (names the URL and what it may hold).
     """
-    fs, root = remote._filesystem(url)
-    root = root.rstrip("/")
-    try:
-        top = fs.ls(root, detail=True)
-    except FileNotFoundError:
-        raise DatasetError(f"dataset {url!r} does not exist (nothing is listed under it); check the URL") from None
-    except Exception as e:  # each filesystem raises its own errors (ClientError, aiohttp's, OSError)
-        raise DatasetError(f"dataset {url!r}: cannot list it ({e!r}); {_FIX}") from e
+    fs, root, top = _top(url)
+    shards = remote.shard_urls(fs, top)
+    if shards:  # from the same request: the folder's top is read once
+        return TAR, shards
     files = [e["name"].rsplit("/", 1)[-1] for e in top if e["type"] != "directory"]
-    if any(name.endswith(".tar") for name in files):
-        return TAR, remote.list_shards(url if url.endswith("/") else url + "/")
     if "coordprep-parquet.json" in files:
         raise DatasetError(f"dataset {url!r} holds no *.tar shards; a Parquet dataset in object storage is named by "
                            f"its manifest's URL ({url.rstrip('/')}/coordprep-parquet.json)")
@@ -123,20 +118,92 @@ def listing(url: str) -> Any:
         raise DatasetError(f"dataset {url!r} holds no class folders and no *.tar shards: a folder in object storage "
                            "is read as an ImageFolder (<url>/<class>/<image>) or as WebDataset tar shards (*.tar at "
                            "its top); a Parquet dataset is named by its manifest's URL (.../coordprep-parquet.json)")
-    return _tree(fs, root, url)
+    return _tree(fs, root, url, top)
+
+
+def _top(url: str) -> tuple[Any, str, list[dict]]:
+    """Folder ``url``'s filesystem, path and top entries: one request.
+
+    Raises:
+        DatasetError: Nothing is listed under it, or it cannot be listed (names the URL, the cause and the fix).
+    """
+    fs, root = remote._filesystem(url)
+    root = root.rstrip("/")
+    try:
+        return fs, root, remote.list_folder(fs, root)
+    except FileNotFoundError:
+        raise DatasetError(f"dataset {url!r} does not exist (nothing is listed under it); check the URL") from None
+    except Exception as e:  # each filesystem raises its own errors (ClientError, aiohttp's, OSError)
+        raise DatasetError(f"dataset {url!r}: cannot list it ({e!r}); {_FIX}") from e
+
+
+def reach(url: str) -> None:
+    """One request showing that dataset ``url`` can be read from this process, as a sweep asks before
+    Ray starts: a folder's top listing, or the details of a shard or a manifest (a pattern's first shard).
+
+    Raises:
+        DatasetError: It does not exist or cannot be reached (names the URL, the cause and the fix).
+    """
+    from coordinated_prep.pipeline.sources.tar_shards import is_tar_pattern
+
+    if is_remote_folder(url):
+        _top(url)
+        return
+    if is_tar_pattern(url):
+        from braceexpand import braceexpand
+
+        first = next(iter(braceexpand(url)))
+    else:
+        first = url
+    fs, path = remote._filesystem(first)
+    try:
+        fs.info(path)
+    except FileNotFoundError:
+        raise DatasetError(f"dataset {url!r}: {first!r} does not exist; check the URL") from None
+    except Exception as e:  # each filesystem raises its own errors
+        raise DatasetError(f"dataset {url!r}: cannot reach {first!r} ({e!r}); {_FIX}") from e
 
 
 #: What a listing keeps of each entry's details: what indexing and naming a copy read.
 _LISTED = ("type", "size", "ETag", "etag", "LastModified")
 
 
-def _tree(fs: Any, root: str, url: str) -> dict[str, dict]:
-    """Every path under ``root`` (folders included), with the details :data:`_LISTED` of each."""
-    try:
-        found = fs.find(root, detail=True, withdirs=True)
-    except Exception as e:
-        raise DatasetError(f"dataset {url!r}: cannot list it ({e!r}); {_FIX}") from e
-    return {path: {k: info[k] for k in _LISTED if k in info} for path, info in found.items()}
+def _tree(fs: Any, root: str, url: str, top: list[dict] | None = None) -> dict[str, dict]:
+    """Every path under ``root`` (folders included), with the details :data:`_LISTED` of each.
+
+    A store with a listing of its own (S3, GCS) is asked once for the whole prefix (fsspec's
+    ``find``, paged). An HTTP server's folders are pages: each is read once (its trailing slash
+    asked for, so no redirect), a level of the tree at a time, up to ``remote.FETCHERS`` pages at
+    once, starting from ``top`` (the root's page, if read already).
+    """
+    if not remote.serves_pages(fs):
+        try:
+            found = fs.find(root, detail=True, withdirs=True)
+        except Exception as e:
+            raise DatasetError(f"dataset {url!r}: cannot list it ({e!r}); {_FIX}") from e
+        return {path: {k: info[k] for k in _LISTED if k in info} for path, info in found.items()}
+
+    def page(folder: str) -> list[dict]:
+        try:
+            return remote.list_folder(fs, folder)
+        except Exception as e:
+            raise DatasetError(f"dataset {url!r}: cannot list its folder {folder!r} ({e!r}); {_FIX}") from e
+
+    found: dict[str, dict] = {}
+    level, pages = [root + "/"], {root + "/": top} if top is not None else {}
+    with ThreadPoolExecutor(remote.FETCHERS) as pool:
+        while level:
+            unread = [f for f in level if f not in pages]
+            pages.update(zip(unread, pool.map(page, unread)))
+            below = []
+            for folder in level:
+                for entry in pages.pop(folder):
+                    found[entry["name"]] = {k: entry[k] for k in _LISTED if k in entry}
+                    # a page links only below itself (fsspec keeps those): each level is deeper, the walk ends
+                    if entry["type"] == "directory" and len(entry["name"].rstrip("/")) > len(folder.rstrip("/")):
+                        below.append(entry["name"])
+            level = sorted(set(below))
+    return found
 
 
 class RemoteFolderSource:
