@@ -18,7 +18,8 @@ every missing file of the piece at once); the files another process holds are wa
 after this process has released its own (so no wait forms a cycle; each wait is bounded by
 :data:`~coordinated_prep.pipeline.sources.remote.LOCK_WAIT_S`), then read from the copy, or fetched
 here if that holder failed. A copy is written to ``<copy>.part`` and renamed, so it exists whole or
-not at all.
+not at all; it is not synced, so one that a crash left short of the size the listing gives (S3's) is
+fetched again.
 
 Failures: a file the store says does not exist (listed at opening, deleted since) is that sample's
 :class:`~coordinated_prep.errors.SampleError`, skipped as a corrupt image is. Any other failure (a
@@ -293,7 +294,7 @@ class RemoteFolderSource:
         """
         got: dict[int, bytes | SampleError] = {}
         for i in dict.fromkeys(indices):
-            data = _local(self._copies[i])
+            data = _local(self._copies[i], self._sizes[i])
             if data is not None:
                 got[i] = data
         missing = [i for i in dict.fromkeys(indices) if i not in got]
@@ -326,7 +327,7 @@ class RemoteFolderSource:
                     lock.close()
                     raise
             for i in mine:  # a holder that was just done left its copy
-                data = _local(self._copies[i])
+                data = _local(self._copies[i], self._sizes[i])
                 if data is not None:
                     got[i] = data
             got.update(self._download([i for i in mine if i not in got]))
@@ -339,7 +340,7 @@ class RemoteFolderSource:
                 lock.close()
         for i in others:  # another process of the node is fetching it: wait for it, holding nothing
             with remote.node_lock(self._copies[i] + ".lock", f"file {self.describe(i)}"):
-                data = _local(self._copies[i])
+                data = _local(self._copies[i], self._sizes[i])
                 got.update({i: data} if data is not None else self._download([i]))  # that holder failed
         return got
 
@@ -400,12 +401,16 @@ def _copy_name(path: str, info: dict) -> str:
     return hashlib.sha256(f"{path}\0{version}".encode()).hexdigest()[:24] + extension
 
 
-def _local(copy: str) -> bytes | None:
+def _local(copy: str, size: int | None) -> bytes | None:
+    """The node's copy; None where there is none, or where it is not the ``size`` the listing gives:
+    copies are renamed into place whole but not synced (a sync per file would cost more than the
+    file), so a machine that went down may have left one short or empty; it is fetched again."""
     try:
         with open(copy, "rb") as f:
-            return f.read()
+            data = f.read()
     except FileNotFoundError:
         return None
+    return data if size is None or len(data) == size else None
 
 
 def _keep(copy: str, data: bytes) -> None:
