@@ -42,7 +42,8 @@ def test_a_dataset_url_this_machine_cannot_read_exits_2_before_ray_starts(tmp_pa
     (tmp_path / "served").mkdir()
     with Server("http", str(tmp_path / "http.log"), str(tmp_path / "served")) as server:
         for dataset, error in ((f"{closed}/photos/", "cannot list it"), (f"{server.url}/photos/", "does not exist"),
-                               (f"{server.url}/shards-{{0000..0003}}.tar", "shards-0000.tar' does not exist")):
+                               (f"{server.url}/shards-{{0000..0003}}.tar", "shards-0000.tar' does not exist"),
+                               (f"{closed}/shards-{{0000..0003}}.tar", "cannot be reached (ClientConnectorError")):
             path = tmp_path / "url.yaml"
             path.write_text(f"trainable: small_cnn\ndata: {{dataset: '{dataset}'}}\nsearch_space: {{lr: 0.1, batch_size: 8, epochs: 1}}\n")
             assert main(["sweep", str(path)]) == 2, dataset

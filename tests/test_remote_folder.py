@@ -86,6 +86,31 @@ def test_opening_a_folder_reads_each_folder_page_once_and_a_tar_folder_its_top_o
     assert len(shards) == len(open_source.__wrapped__(folder))
 
 
+def test_a_listing_keeps_only_top_level_shards_and_ends_on_pages_that_link_into_themselves():
+    from coordinated_prep.pipeline.sources import remote_folder
+
+    class Store:  # an S3-like listing: names without the scheme
+        protocol = ("s3", "s3a")
+
+        def unstrip_protocol(self, name: str) -> str:
+            return "s3://" + name
+
+    entries = [{"name": "b/shards/x-1.tar", "type": "file"}, {"name": "b/shards/x-0.tar", "type": "file"},
+               {"name": "b/shards/sub/y.tar", "type": "file"}, {"name": "b/shards/sub", "type": "directory"}]
+    assert remote.shard_urls(Store(), "b/shards/", entries) == ["s3://b/shards/x-0.tar", "s3://b/shards/x-1.tar"]
+    # s3fs lists a prefix with no children as the prefix itself: no shard under it
+    assert remote.shard_urls(Store(), "b/x.tar/", [{"name": "b/x.tar", "type": "file"}]) == []
+
+    class Looping:  # a server whose every page links ./ (each a longer URL of the same page)
+        protocol = ("http", "https")
+
+        def ls(self, path: str, detail: bool = True) -> list[dict]:
+            return [{"name": path + "./", "type": "directory", "size": None}]
+
+    with pytest.raises(DatasetError, match=f"folders nest deeper than {remote_folder.MAX_DEPTH} levels"):
+        remote_folder._tree(Looping(), "http://h/photos", "http://h/photos/")
+
+
 def test_a_file_gone_since_listing_is_that_samples_error_and_a_failing_store_is_named_after_bounded_retries(
         served, node_cache):
     server, folder = served

@@ -14,6 +14,7 @@ else than asked).
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Mapping
 
@@ -48,7 +49,9 @@ def check_reachable(cfg: Any) -> None:
     """Ask each dataset URL the sweep ``cfg`` can read for one listing or one file's details, here,
     before Ray starts: a URL that cannot be reached from this machine (a server refusing connections,
     credentials missing, no such bucket or file) fails at once, named, instead of in every trial.
-    One request per URL; local datasets were checked when the file was loaded.
+    One request or two per URL (over HTTP a file's details may take a HEAD and a GET); local datasets
+    were checked when the file was loaded. Skipped under Ray Client (``RAY_ADDRESS=ray://...``), where
+    the data is read from the cluster, not from here.
 
     Raises:
         ConfigError: Naming the file, the dataset, the cause and the fix.
@@ -57,12 +60,19 @@ def check_reachable(cfg: Any) -> None:
     from coordinated_prep.pipeline.sources.remote import is_url
     from coordinated_prep.pipeline.sources.remote_folder import reach
 
+    if os.environ.get("RAY_ADDRESS", "").startswith("ray://"):
+        return  # Ray Client: the sweep's registry lists the data on the cluster, whose network this machine may lack
     variants = cfg.data_search.variants(cfg.search_space) if cfg.data_search is not None else [({}, cfg.data)]
-    for url in sorted({s.dataset for _, s in variants if isinstance(s.dataset, str) and is_url(s.dataset)}):
+    urls: dict[str, str] = {}  # URL -> the key that names it
+    for values, spec in variants:
+        if isinstance(spec.dataset, str) and is_url(spec.dataset) and spec.dataset not in urls:
+            searched = [k for k, v in values.items() if v == spec.dataset]
+            urls[spec.dataset] = f"search_space.{searched[0]}" if searched else "data.dataset"
+    for url, key in sorted(urls.items()):
         try:
             reach(url)
         except DatasetError as e:
-            raise ConfigError(f"{cfg.path}: data.dataset: {e}") from None
+            raise ConfigError(f"{cfg.path}: {key}: {e}") from None
 
 
 def try_spec(spec: DataSpec, where: str = "data", probe_it: bool = True) -> None:

@@ -71,7 +71,7 @@ def list_shards(url: str) -> list[str]:
     except Exception as e:  # each filesystem raises its own errors (ClientError, aiohttp's, OSError)
         raise DatasetError(f"dataset {url!r}: cannot list its shards ({e!r}); check the URL and the "
                            "credentials, or name the shards with a pattern such as 'train-{0000..0063}.tar'") from e
-    found = shard_urls(fs, entries)
+    found = shard_urls(fs, path, entries)
     if not found:
         raise DatasetError(f"dataset {url!r} holds no *.tar shards; a Parquet dataset in object storage is named by "
                            f"its manifest's URL ({url.rstrip('/')}/coordprep-parquet.json)")
@@ -90,10 +90,12 @@ def serves_pages(fs) -> bool:
     return "http" in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,))
 
 
-def shard_urls(fs, entries: list[dict]) -> list[str]:
-    """The URLs of the ``*.tar`` files among a folder's ``entries`` (:func:`list_folder`), sorted."""
-    return sorted(fs.unstrip_protocol(e["name"]) for e in entries
-                  if e.get("type") != "directory" and e["name"].endswith(".tar"))
+def shard_urls(fs, path: str, entries: list[dict]) -> list[str]:
+    """The URLs of the ``*.tar`` files at the top of folder ``path`` among its ``entries``
+    (:func:`list_folder`; a page may link deeper, and S3 lists a prefix with no children as itself), sorted."""
+    top = path.rstrip("/")
+    return sorted(fs.unstrip_protocol(e["name"]) for e in entries if e.get("type") != "directory"
+                  and e["name"].endswith(".tar") and e["name"].rsplit("/", 1)[0] == top)
 
 
 def fetched(urls: Sequence[str]) -> list[str]:

@@ -62,6 +62,7 @@ from coordinated_prep.pipeline.sources.folder_index import IMAGE_EXTENSIONS
 logger = logging.getLogger(__name__)
 
 BATCH = 64  # missing files fetched (and locked) at once: bounds a process's open lock files
+MAX_DEPTH = 64  # levels of folders an HTTP listing follows: a server whose pages link into themselves ends here
 
 _FIX = ("check the URL and that the credentials (AWS_* variables, ~/.aws; AWS_ENDPOINT_URL for an S3-compatible "
         "server) reach every node")
@@ -101,14 +102,14 @@ TAR = "tar shards"
 
 
 def listing(url: str) -> Any:
-    """The tree under folder ``url`` (fsspec's ``find``: path -> its type, size and version, folders
+    """The tree under folder ``url`` (:func:`_tree`: path -> its type, size and version, folders
     included), or ``(TAR, URLs of its shards)`` where ``*.tar`` files lie at its top.
 
     Raises:
         DatasetError: The folder cannot be listed, or holds neither (names the URL and what it may hold).
     """
     fs, root, top = _top(url)
-    shards = remote.shard_urls(fs, top)
+    shards = remote.shard_urls(fs, root, top)
     if shards:  # from the same request: the folder's top is read once
         return TAR, shards
     files = [e["name"].rsplit("/", 1)[-1] for e in top if e["type"] != "directory"]
@@ -159,8 +160,9 @@ def reach(url: str) -> None:
     fs, path = remote._filesystem(first)
     try:
         fs.info(path)
-    except FileNotFoundError:
-        raise DatasetError(f"dataset {url!r}: {first!r} does not exist; check the URL") from None
+    except FileNotFoundError as e:  # over HTTP also a server that cannot be reached: fsspec says so with the cause
+        cause = f" ({e.__cause__!r})" if e.__cause__ is not None else ""
+        raise DatasetError(f"dataset {url!r}: {first!r} does not exist or cannot be reached{cause}; {_FIX}") from e
     except Exception as e:  # each filesystem raises its own errors
         raise DatasetError(f"dataset {url!r}: cannot reach {first!r} ({e!r}); {_FIX}") from e
 
@@ -192,19 +194,23 @@ def _tree(fs: Any, root: str, url: str, top: list[dict] | None = None) -> dict[s
 
     found: dict[str, dict] = {}
     level, pages = [root + "/"], {root + "/": top} if top is not None else {}
+    seen = set(level)  # a page read once, however many pages link it
     with ThreadPoolExecutor(remote.FETCHERS) as pool:
-        while level:
+        for depth in range(MAX_DEPTH + 1):
+            if not level:
+                return found
             unread = [f for f in level if f not in pages]
             pages.update(zip(unread, pool.map(page, unread)))
             below = []
             for folder in level:
                 for entry in pages.pop(folder):
                     found[entry["name"]] = {k: entry[k] for k in _LISTED if k in entry}
-                    # a page links only below itself (fsspec keeps those): each level is deeper, the walk ends
-                    if entry["type"] == "directory" and len(entry["name"].rstrip("/")) > len(folder.rstrip("/")):
+                    if entry["type"] == "directory" and entry["name"] not in seen:  # fsspec keeps links below the page
+                        seen.add(entry["name"])
                         below.append(entry["name"])
-            level = sorted(set(below))
-    return found
+            level = sorted(below)
+    raise DatasetError(f"dataset {url!r}: folders nest deeper than {MAX_DEPTH} levels under it (e.g. {level[0]!r}): "
+                       "a server whose pages link into themselves (./, a symlink loop); serve a tree of folders")
 
 
 class RemoteFolderSource:
