@@ -33,7 +33,7 @@ def preflight(cfg: Any) -> int:
         ConfigError: A factory fails or warns while building, or a pipeline's first samples cannot be
             prepared, naming the file, the ``data`` key, the searched values that made the spec and the cause.
     """
-    variants = cfg.data_search.variants(cfg.search_space) if cfg.data_search is not None else [({}, cfg.data)]
+    variants = data_variants(cfg)
     probed: set[str] = set()  # specs that differ only in their part (fold, fraction, subset) probe once
     for values, spec in variants:
         where = "data" + (f" with {describe_values(values)}" if values else "")
@@ -62,7 +62,7 @@ def check_reachable(cfg: Any) -> None:
 
     if os.environ.get("RAY_ADDRESS", "").startswith("ray://"):
         return  # Ray Client: the sweep's registry lists the data on the cluster, whose network this machine may lack
-    variants = cfg.data_search.variants(cfg.search_space) if cfg.data_search is not None else [({}, cfg.data)]
+    variants = data_variants(cfg)
     urls: dict[str, str] = {}  # URL -> the key that names it
     for values, spec in variants:
         if isinstance(spec.dataset, str) and is_url(spec.dataset) and spec.dataset not in urls:
@@ -73,6 +73,11 @@ def check_reachable(cfg: Any) -> None:
             reach(url)
         except DatasetError as e:
             raise ConfigError(f"{cfg.path}: {key}: {e}") from None
+
+
+def data_variants(cfg: Any) -> list[tuple[dict[str, Any], DataSpec]]:
+    """Each distinct DataSpec sweep ``cfg`` can give, with the searched values that built it."""
+    return cfg.data_search.variants(cfg.search_space) if cfg.data_search is not None else [({}, cfg.data)]
 
 
 def try_spec(spec: DataSpec, where: str = "data", probe_it: bool = True) -> None:
