@@ -49,6 +49,12 @@ def test_a_dataset_url_this_machine_cannot_read_exits_2_before_ray_starts(tmp_pa
             assert main(["sweep", str(path)]) == 2, dataset
             err = capsys.readouterr().err
             assert str(path) in err and repr(dataset) in err and error in err, err
+        searched = tmp_path / "searched.yaml"  # a searched dataset is named by its search-space key
+        searched.write_text("trainable: small_cnn\nsearch_space: {lr: 0.1, batch_size: 8, epochs: 1, data.dataset: "
+                            f"{{grid: ['builtin:shapes', '{server.url}/photos/']}}}}\n")
+        assert main(["sweep", str(searched)]) == 2
+        err = capsys.readouterr().err
+        assert f"search_space.data.dataset: dataset '{server.url}/photos/' does not exist" in err, err
 
 
 def test_dry_run_validates_without_ray(capsys):
