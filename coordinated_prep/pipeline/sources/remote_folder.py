@@ -146,17 +146,12 @@ def reach(url: str) -> None:
     Raises:
         DatasetError: It does not exist or cannot be reached (names the URL, the cause and the fix).
     """
-    from coordinated_prep.pipeline.sources.tar_shards import is_tar_pattern
+    from coordinated_prep.pipeline.sources.tar_shards import is_tar_pattern, shard_names
 
     if is_remote_folder(url):
         _top(url)
         return
-    if is_tar_pattern(url):
-        from braceexpand import braceexpand
-
-        first = next(iter(braceexpand(url)))
-    else:
-        first = url
+    first = shard_names(url)[0] if is_tar_pattern(url) else url
     fs, path = remote._filesystem(first)
     try:
         fs.info(path)
@@ -196,7 +191,7 @@ def _tree(fs: Any, root: str, url: str, top: list[dict] | None = None) -> dict[s
     level, pages = [root + "/"], {root + "/": top} if top is not None else {}
     seen = set(level)  # a page read once, however many pages link it
     with ThreadPoolExecutor(remote.FETCHERS) as pool:
-        for depth in range(MAX_DEPTH + 1):
+        for _ in range(MAX_DEPTH + 1):
             if not level:
                 return found
             unread = [f for f in level if f not in pages]
