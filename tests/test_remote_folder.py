@@ -101,14 +101,25 @@ def test_a_listing_keeps_only_top_level_shards_and_ends_on_pages_that_link_into_
     # s3fs lists a prefix with no children as the prefix itself: no shard under it
     assert remote.shard_urls(Store(), "b/x.tar/", [{"name": "b/x.tar", "type": "file"}]) == []
 
-    class Looping:  # a server whose every page links ./ (each a longer URL of the same page)
+    class Looping:  # a server whose folder a/ is a symlink to itself (each a longer URL of the same page)
         protocol = ("http", "https")
 
         def ls(self, path: str, detail: bool = True) -> list[dict]:
-            return [{"name": path + "./", "type": "directory", "size": None}]
+            return [{"name": path + "a/", "type": "directory", "size": None}]
 
     with pytest.raises(DatasetError, match=f"folders nest deeper than {remote_folder.MAX_DEPTH} levels"):
         remote_folder._tree(Looping(), "http://h/photos", "http://h/photos/")
+
+    class Escaping:  # links fsspec keeps (they start with the page's URL) that lead up, or back to the page
+        protocol = ("http", "https")
+
+        def ls(self, path: str, detail: bool = True) -> list[dict]:
+            assert path == "http://h/photos/", f"followed {path}"
+            return [{"name": path + name, "type": kind, "size": None}
+                    for name, kind in [("%2E%2E/", "directory"), ("%2e%2e/other/", "directory"), ("./", "directory"),
+                                       ("cat/%2E%2E/x.jpg", "file"), ("/", "directory"), ("cat.jpg", "file")]]
+
+    assert list(remote_folder._tree(Escaping(), "http://h/photos", "http://h/photos/")) == ["http://h/photos/cat.jpg"]
 
 
 def test_a_file_gone_since_listing_is_that_samples_error_and_a_failing_store_is_named_after_bounded_retries(

@@ -6,6 +6,7 @@ of times and then named."""
 from __future__ import annotations
 
 import fcntl
+import glob
 import os
 import re
 import shutil
@@ -136,6 +137,43 @@ def test_a_parquet_dataset_named_by_its_manifests_url_is_fetched_once_per_node_a
         with pytest.raises(DatasetError, match=r"holds no \*\.tar shards; a Parquet dataset in object storage is "
                                                r"named by its manifest's URL \(http://\S+/coordprep-parquet\.json\)"):
             open_source.__wrapped__(server.url + "/")
+
+
+def test_a_parquet_fetch_longer_than_the_lock_wait_is_not_undone_by_another_openers_clean_up(small_dataset, node_cache,
+                                                                                             tmp_path, monkeypatch):
+    """An opener removes what a killed builder left (older than LOCK_WAIT_S). A live builder whose
+    shards take longer than that to fetch must not lose its folder to it, nor publish one without
+    its manifest."""
+    from coordinated_prep.convert.parquet import convert_imagefolder
+
+    served = convert_imagefolder(small_dataset, str(tmp_path / "served"), shard_size=64, row_group_size=16).out
+    url = f"file://{served}/coordprep-parquet.json"
+    fetched, ancient = remote.fetched, (1, 1)
+
+    class Gave(Exception):
+        pass
+
+    def another_opener(urls):  # opens the same dataset while the first one fetches its shards, then gives up
+        if urls[0] == url:
+            return fetched(urls)
+        raise Gave
+
+    def slow_fetch(urls):  # the first opener: its shards take longer than LOCK_WAIT_S
+        if urls[0] != url:
+            for left in glob.glob(os.path.join(node_cache, "parquet-*.tmp-*")):
+                os.utime(left, ancient)
+            monkeypatch.setattr(remote, "fetched", another_opener)
+            with pytest.raises(Gave):
+                remote.fetched_parquet(url)  # its clean-up ran: what looked left by a killed builder is gone
+            monkeypatch.setattr(remote, "fetched", slow_fetch)
+        return fetched(urls)
+
+    monkeypatch.setattr(remote, "fetched", slow_fetch)
+    folder = remote.fetched_parquet(url)
+    assert sorted(os.listdir(folder)) == sorted(os.listdir(served)), "the manifest and every shard"
+    source = open_source.__wrapped__(url)
+    assert len(source) == len(open_source.__wrapped__(small_dataset)) and source.read(5)
+    assert not glob.glob(os.path.join(node_cache, "parquet-*.tmp-*")), "nothing left half-built"
 
 
 def _blocked_flocks() -> int:

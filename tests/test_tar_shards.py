@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import subprocess
 import pickle
 import tarfile
 
@@ -110,6 +111,17 @@ def test_shards_that_break_the_layout_are_refused_naming_shard_key_and_fix(small
     (tmp_path / "i").mkdir()
     with pytest.raises(DatasetError, match=r"sample 'x1': two 'jpg' members"):
         open_source.__wrapped__(_tar(str(tmp_path / "i" / "s.tar"), {"x1.jpg": jpeg, "x1.JPG": jpeg, "x1.cls": b"0"}))
+    (tmp_path / "s").mkdir()
+    with open(tmp_path / "s" / "x1.jpg", "wb") as f:  # a file with a hole, which GNU tar -S stores in pieces
+        f.write(jpeg)
+        f.seek(1 << 20)
+        f.write(jpeg)
+    (tmp_path / "s" / "x1.cls").write_bytes(b"0")
+    subprocess.run(["tar", "-S", "-cf", "s.tar", "x1.jpg", "x1.cls"], cwd=tmp_path / "s", check=True)
+    for name in ("x1.jpg", "x1.cls"):
+        os.remove(tmp_path / "s" / name)
+    with pytest.raises(DatasetError, match=r"s\.tar, member 'x1\.jpg' is a sparse file .*without --sparse"):
+        open_source.__wrapped__(str(tmp_path / "s"))
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "s.tar").write_bytes(b"not a tar at all" * 64)
     with pytest.raises(DatasetError, match=r"s\.tar is not a readable tar file.*uncompressed tar"):

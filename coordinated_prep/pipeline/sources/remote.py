@@ -21,6 +21,7 @@ place: a copy either exists whole or not at all. A holder that gives up leaves i
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
 import hashlib
@@ -203,38 +204,50 @@ def fetched_parquet(manifest_url: str) -> str:
                            f"shards) could not be read: {e}") from None
     cache = os.path.dirname(manifest)
     prefix = "parquet-" + hashlib.sha256(manifest_url.encode()).hexdigest()[:16]
-    for left in glob.glob(os.path.join(cache, prefix + ".tmp-*")):  # a builder killed midway (never a live one)
-        if time.time() - os.path.getmtime(left) > LOCK_WAIT_S:
+    for left in glob.glob(os.path.join(cache, prefix + ".tmp-*")):  # a builder killed midway (never a live one:
+        if time.time() - os.path.getmtime(left) > LOCK_WAIT_S:  # a builder makes its folder after the fetch)
             shutil.rmtree(left, ignore_errors=True)
-    staging = tempfile.mkdtemp(dir=cache, prefix=prefix + ".tmp-")
-    try:
+    with _staging(cache, prefix) as staging:  # the manifest read where it would lie, each file's path checked
         try:
             os.link(manifest, os.path.join(staging, MANIFEST))
-            try:
-                entries = read_manifest(staging)["shards"]  # each file's path checked: inside the dataset
-            except DatasetError as e:
-                raise DatasetError(str(e).replace(staging, base)) from None
-            copies = fetched([f"{base}/{entry['file']}" for entry in entries])
-            name = hashlib.sha256("\0".join([manifest, *copies]).encode()).hexdigest()[:16]
-            folder = os.path.join(cache, f"{prefix}-{name}")
-            if os.path.isdir(folder):
-                return folder
-            for entry, copy in zip(entries, copies):
-                target = os.path.join(staging, entry["file"])
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                os.link(copy, target)
-        except OSError as e:  # a filesystem without hard links (the copies stay in the cache)
-            raise DatasetError(f"dataset {manifest_url}: cannot lay out the node's copies in {cache} ({e}); put "
-                               "$COORDPREP_CACHE on a local disk that supports hard links") from e
-        try:
-            os.rename(staging, folder)
-        except OSError:  # another process of the node renamed its own first: the same files
-            if not os.path.isdir(folder):
-                raise
+            entries = read_manifest(staging)["shards"]
+        except DatasetError as e:
+            raise DatasetError(str(e).replace(staging, base)) from None
+        except OSError as e:
+            raise _no_links(manifest_url, cache, e) from e
+    copies = fetched([f"{base}/{entry['file']}" for entry in entries])  # may take long: no folder of ours waits
+    name = hashlib.sha256("\0".join([manifest, *copies]).encode()).hexdigest()[:16]
+    folder = os.path.join(cache, f"{prefix}-{name}")
+    if os.path.isdir(folder):
         return folder
+    with _staging(cache, prefix) as staging:
+        try:
+            for source, target in [(manifest, MANIFEST), *((c, e["file"]) for c, e in zip(copies, entries))]:
+                target = os.path.join(staging, target)
+                if os.path.dirname(target) != staging:
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                os.link(source, target)
+            os.rename(staging, folder)
+        except OSError as e:
+            if not os.path.isdir(folder):  # else another process of the node renamed its own first: the same files
+                raise _no_links(manifest_url, cache, e) from e
+    return folder
+
+
+@contextlib.contextmanager
+def _staging(cache: str, prefix: str):
+    """A new folder in ``cache`` to build in, removed at the end unless it was renamed."""
+    staging = tempfile.mkdtemp(dir=cache, prefix=prefix + ".tmp-")
+    try:
+        yield staging
     finally:
         if os.path.isdir(staging):
-            shutil.rmtree(staging)
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _no_links(url: str, cache: str, e: OSError) -> DatasetError:
+    return DatasetError(f"dataset {url}: cannot lay out the node's copies in {cache} ({e}); put $COORDPREP_CACHE "
+                        "on a local disk that supports hard links")
 
 
 class node_lock:

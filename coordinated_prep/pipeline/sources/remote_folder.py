@@ -43,6 +43,7 @@ the folder's copy (``folder-<key>``) to read such files again.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -199,13 +200,15 @@ def _tree(fs: Any, root: str, url: str, top: list[dict] | None = None) -> dict[s
             below = []
             for folder in level:
                 for entry in pages.pop(folder):
+                    if not _below(entry["name"], folder):
+                        continue
                     found[entry["name"]] = {k: entry[k] for k in _LISTED if k in entry}
                     if entry["type"] == "directory" and entry["name"] not in seen:  # fsspec keeps links below the page
                         seen.add(entry["name"])
                         below.append(entry["name"])
             level = sorted(below)
     raise DatasetError(f"dataset {url!r}: folders nest deeper than {MAX_DEPTH} levels under it (e.g. {level[0]!r}): "
-                       "a server whose pages link into themselves (./, a symlink loop); serve a tree of folders")
+                       "a server whose pages link into themselves (a symlink loop); serve a tree of folders")
 
 
 class RemoteFolderSource:
@@ -316,33 +319,34 @@ class RemoteFolderSource:
         others = []
         got: dict[int, bytes | SampleError] = {}
         try:
-            for i in indices:
-                lock = open(self._copies[i] + ".lock", "a+b")
-                try:
-                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    mine[i] = lock
-                except BlockingIOError:
+            try:
+                for i in indices:
+                    lock = open(self._copies[i] + ".lock", "a+b")
+                    try:
+                        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        mine[i] = lock
+                    except BlockingIOError:
+                        lock.close()
+                        others.append(i)
+                    except BaseException:
+                        lock.close()
+                        raise
+                for i in mine:  # a holder that was just done left its copy
+                    data = _local(self._copies[i], self._sizes[i])
+                    if data is not None:
+                        got[i] = data
+                got.update(self._download([i for i in mine if i not in got]))
+            finally:
+                for lock in mine.values():
+                    fcntl.flock(lock, fcntl.LOCK_UN)
                     lock.close()
-                    others.append(i)
-                except BaseException:
-                    lock.close()
-                    raise
-            for i in mine:  # a holder that was just done left its copy
-                data = _local(self._copies[i], self._sizes[i])
-                if data is not None:
-                    got[i] = data
-            got.update(self._download([i for i in mine if i not in got]))
+            for i in others:  # another process of the node is fetching it: wait for it, holding nothing
+                with remote.node_lock(self._copies[i] + ".lock", f"file {self.describe(i)}"):
+                    data = _local(self._copies[i], self._sizes[i])
+                    got.update({i: data} if data is not None else self._download([i]))  # that holder failed
         except OSError as e:  # the node's cache (no room, too many open files): not the store's
             raise DatasetError(f"dataset {self.root}: the node's copies in {self.folder} cannot be written or locked "
                                f"({e}); free space there or put $COORDPREP_CACHE on a local disk") from e
-        finally:
-            for lock in mine.values():
-                fcntl.flock(lock, fcntl.LOCK_UN)
-                lock.close()
-        for i in others:  # another process of the node is fetching it: wait for it, holding nothing
-            with remote.node_lock(self._copies[i] + ".lock", f"file {self.describe(i)}"):
-                data = _local(self._copies[i], self._sizes[i])
-                got.update({i: data} if data is not None else self._download([i]))  # that holder failed
         return got
 
     def _download(self, indices: list[int]) -> dict[int, bytes | SampleError]:
@@ -386,6 +390,15 @@ class RemoteFolderSource:
         return got
 
 
+def _below(link: str, folder: str) -> bool:
+    """Whether a page's ``link`` names something below ``folder``: fsspec keeps the links that start with
+    the page's URL, and an escaped ``%2E%2E/`` (``../`` to the server), ``./`` or ``//`` do."""
+    if not link.startswith(folder):
+        return False
+    rest = urllib.parse.unquote(link[len(folder):]).rstrip("/")
+    return bool(rest) and all(part not in ("", ".", "..") for part in rest.split("/"))
+
+
 def _relative(path: str, root: str, url: str) -> str:
     """``path`` under ``root``, its URL escapes decoded (an HTTP listing's names are escaped)."""
     if not path.startswith(root + "/"):
@@ -411,12 +424,19 @@ def _local(copy: str, size: int | None) -> bytes | None:
             data = f.read()
     except FileNotFoundError:
         return None
-    return data if size is None or len(data) == size else None
+    if size is None:  # an HTTP listing gives no size: at least not a copy the machine left empty
+        return data or None
+    return data if len(data) == size else None
 
 
 def _keep(copy: str, data: bytes) -> None:
     """Write the node's copy whole or not at all (the caller holds its lock)."""
     part = copy + ".part"
-    with open(part, "wb") as f:
-        f.write(data)
-    os.replace(part, copy)
+    try:
+        with open(part, "wb") as f:
+            f.write(data)
+        os.replace(part, copy)
+    except OSError:  # no room: no torn .part left behind
+        with contextlib.suppress(OSError):
+            os.remove(part)
+        raise

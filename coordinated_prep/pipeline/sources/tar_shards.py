@@ -191,6 +191,9 @@ def _index_shard(path: str, name: str) -> list[tuple[str, tuple[int, int], int]]
                 match = _KEY.match(member.name) if member.isfile() else None
                 if match is None:  # a file with no extension is part of no sample (WebDataset skips it too)
                     continue
+                if member.issparse():  # its data lies in pieces: one positioned read would return other bytes
+                    raise DatasetError(f"shard {name}, member {member.name!r} is a sparse file (GNU tar -S); write "
+                                       "shards without --sparse, as webdataset.TarWriter does")
                 if match.group(1) != key:
                     if key is not None:
                         found.append(_sample(tar, name, key, parts))
