@@ -175,6 +175,49 @@ def test_suggestions_held_back_are_saved_with_tunes_checkpoint_and_restored(tmp_
     assert sorted([t.config["i"] for t in released] + rest) == list(range(40)), "a config lost or run twice"
 
 
+@pytest.mark.parametrize("unfinished", ["skip", "restart"])
+def test_a_restore_that_ends_or_restarts_the_running_trials_frees_their_places(tmp_path, unfinished):
+    """Tune's default resume runs the unfinished trials again under their ids, and each completes:
+    they keep their places. Where it ends them (SKIP) or restarts them under new ids (RESTART),
+    none completes under its id: they must not hold max_concurrent's places for ever (the sweep
+    would wait with nothing running). A trial Tune runs that this searcher did not release (a
+    restarted one, an errored one resumed) holds a place from its first result to its end."""
+    from ray import tune
+    from ray.tune import ResumeConfig
+
+    from coordinated_prep import CoordinatedSearcher
+
+    tune.register_trainable("coordprep_order_test", tune.with_resources(lambda config: None, {"cpu": 0.5}))
+    experiment = {"sweep": {"run": "coordprep_order_test", "config": {"i": tune.grid_search(list(range(6)))}}}
+    first = CoordinatedSearcher(max_concurrent=2)
+    first.add_configurations(experiment)
+    assert first._release() and first._release() and first._release() is None, "two running: the limit"
+    first.save_to_dir(str(tmp_path), session_str="s")
+
+    def restored(resume):
+        again = CoordinatedSearcher(max_concurrent=2)
+        again._inner.restore_from_dir(str(tmp_path))
+        again._restore_order(str(tmp_path), resume)
+        return again
+
+    kept = restored(ResumeConfig())  # Tune's default: RESUME
+    assert kept._order.running() == 2 and kept._release() is None
+    freed = restored(ResumeConfig(unfinished=ResumeConfig.ResumeType(unfinished)))
+    assert freed._order.running() == 0
+    assert freed._release() and freed._release() and freed._release() is None, "two places free again"
+    freed._order.complete("no such trial")
+    assert freed._order.running() == 2
+
+    order = GroupOrder(key=lambda t: t)
+    order.offer("t0", "A")
+    order.release()
+    order.adopt("t0")  # released here: counted once
+    order.adopt("restarted")
+    assert order.running() == 2 and order.live() == {"A": 1}
+    order.complete("restarted")
+    assert order.running() == 1
+
+
 # -- a model-based searcher's bounded look-ahead ----------------------------------------------------
 
 def _sequential(specs):
@@ -263,6 +306,8 @@ def test_a_searchers_look_ahead_and_limit_are_checked_and_a_limiter_passed_in_is
     with pytest.raises(ConfigError, match="keeps its own order"):
         CoordinatedSearcher(SearchGenerator(_sequential([])), window=4)
     assert CoordinatedSearcher(BasicVariantGenerator(max_concurrent=2))._max_concurrent == 2
+    with pytest.raises(ConfigError, match="max_concurrent=2 and the BasicVariantGenerator's max_concurrent=8"):
+        CoordinatedSearcher(BasicVariantGenerator(max_concurrent=8), max_concurrent=2)
 
 
 def test_a_searchers_suggestions_held_back_are_saved_with_tunes_checkpoint_and_restored(tmp_path):

@@ -283,6 +283,31 @@ def test_a_sweeps_trials_run_group_by_group(ray_session, small_dataset, tmp_path
     assert max(sum(s <= t < e for s, e in spans) for t, _ in spans) <= 2, spans  # the limit still holds
 
 
+def _lifetime(config):
+    start = time.time()
+    time.sleep(2.5)  # longer than a trial's process takes to start: trials started one after another overlap
+    tune.report({"start": start, "end": time.time()})
+
+
+def test_max_concurrent_trials_holds_for_a_searcher_with_a_space_of_its_own(ray_session, tmp_path, warm_pool):
+    """Optuna given its own space and no param_space: Tune then never calls set_search_properties,
+    where the searcher read TuneConfig(max_concurrent_trials=...); it reads it in add_configurations."""
+    from ray.tune.search.optuna import OptunaSearch
+
+    searcher = CoordinatedSearcher(OptunaSearch({"x": tune.uniform(0, 1)}, metric="start", mode="max", seed=1),
+                                   pool=warm_pool)
+    tuner = tune.Tuner(tune.with_resources(_lifetime, {"cpu": 0.25}),
+                       tune_config=tune.TuneConfig(search_alg=searcher, max_concurrent_trials=1, num_samples=2,
+                                                   reuse_actors=True),
+                       run_config=tune.RunConfig(verbose=0, storage_path=str(tmp_path)))
+    results = tuner.fit()
+    searcher.close()
+    assert not results.errors, results.errors
+    spans = sorted((r.metrics["start"], r.metrics["end"]) for r in results)
+    assert len(spans) == 2 and spans[0][1] <= spans[1][0], spans
+    assert searcher._objective == ("start", "max"), "the reports are written with the searcher's objective"
+
+
 def test_a_sweeps_config_reused_outside_tune_prepares_in_process(small_dataset):
     """A sweep's best config (coordinated) trains again outside Tune, in this process."""
     best = {"data": _spec(small_dataset)}

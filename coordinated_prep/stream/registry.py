@@ -384,12 +384,13 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports, PoolGrowth, Kept):
         pool = self._pools.get(node)
         if pool is None:
             return
-        calls = [g.actor.set_budget.remote(self._share(node, k, pool))
+        calls = [asyncio.wait_for(g.actor.set_budget.remote(self._share(node, k, pool)), CALL_TIMEOUT_S)
                  for k, g in self._groups.items() if g.node == node and k != except_key]
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        results = await asyncio.gather(*calls, return_exceptions=True)  # a coordinator that hangs: named below
         for r in results:
             if isinstance(r, Exception):
-                logger.warning("node %s: a coordinator did not take its new budget share: %r", node, r)
+                logger.warning("node %s: a coordinator did not take its new budget share within %g s: %r", node,
+                               CALL_TIMEOUT_S, r)
 
     async def _destroy(self, key: str, group: _Group) -> None:
         try:

@@ -109,6 +109,21 @@ class GroupOrder:
                 del self._live[group]
         return group
 
+    def adopt(self, trial_id: Hashable) -> None:
+        """Count trial ``trial_id`` as running if it is not counted: a trial Tune runs that this order
+        never released (an errored trial a restored sweep resumes, a trial it restarts under a new id)."""
+        if trial_id not in self._groups:
+            self._groups[trial_id] = None
+
+    def forget_running(self) -> int:
+        """Count no released trial as running any more; returns how many were. For a restored sweep
+        whose unfinished trials Tune ends or restarts under new ids: none of them completes under its
+        id, so each would hold a place of ``max_concurrent`` for ever."""
+        dropped = len(self._groups)
+        self._groups.clear()
+        self._live.clear()
+        return dropped
+
     def wanted(self) -> set[Hashable]:
         """The groups of the trials released and not complete, and of the suggestions held back."""
         return set(self._live) | {w.group for w in self._waiting if w.group is not None}

@@ -9,7 +9,7 @@ from typing import Any, Dict, Mapping, Optional
 
 import ray
 from ray import cloudpickle
-from ray.tune import PlacementGroupFactory
+from ray.tune import PlacementGroupFactory, ResumeConfig
 from ray.tune.search import ConcurrencyLimiter, SearchAlgorithm, Searcher, SearchGenerator
 
 from coordinated_prep.cache.spec import CacheSpec
@@ -92,13 +92,15 @@ class CoordinatedSearcher(RegistryStart, SearchAlgorithm):
         self._inner, self._base, self._max_concurrent = wrapped.inner, wrapped.base, wrapped.max_concurrent
         self._lookahead = wrapped.ahead  # holds suggestions back and limits running trials itself
         self._order = GroupOrder(window=wrapped.window, patience=wrapped.window, key=operator.attrgetter("trial_id"))
-        self._resolvers: Any = None  # tune.run's placeholder resolvers, read when it calls set_search_properties
+        self._resolvers: Any = None  # tune.run's placeholder resolvers, read in _read_run
         self._objective: tuple[str | None, str | None] = (None, None)  # Tune's metric and mode
         # Tune lets only ONE trial be pending at a time for a SearchAlgorithm that is not a
         # BasicVariantGenerator, unless it finds a ConcurrencyLimiter along `search_alg.searcher`
         # (tune_controller._get_max_pending_trials): trials would start one by one, about a second
-        # apart, and short trials would miss each other. So a limiter is always on that chain; when
-        # Tune's own generator does the searching, it is a marker that only carries the number.
+        # apart, and short trials would miss each other. So a limiter is on that chain wherever trials
+        # may run at once (a limit set, or Tune's own generator, where it is a marker that only
+        # carries the number). A model-based Searcher with no limit keeps Tune's one pending trial:
+        # each of its suggestions is made from the results so far, as Tune runs it alone.
         self.searcher = getattr(self._inner, "searcher", None) or ConcurrencyLimiter(
             Searcher(), max_concurrent=self._max_concurrent or _PENDING_WITHOUT_LIMIT)
         self._registry: Any = None
@@ -124,13 +126,23 @@ class CoordinatedSearcher(RegistryStart, SearchAlgorithm):
         return self._inner.metric
 
     def set_search_properties(self, metric: Optional[str], mode: Optional[str], config: Dict, **spec) -> bool:
+        self._read_run(metric, mode)
+        return self._inner.set_search_properties(metric, mode, config, **spec)
+
+    def _read_run(self, metric: Optional[str], mode: Optional[str]) -> None:
+        """What ``tune.run`` tells no search algorithm: its ``max_concurrent_trials`` and placeholder
+        resolvers, and the objective the reports are written with (``coordprep best`` ranks by it; else
+        the inner searcher's own). Read where Tune calls :meth:`set_search_properties` (only when the
+        ``param_space`` is not empty) and :meth:`add_configurations` (always, but on a restore)."""
         run = tune_run_locals()
+        if not run:
+            return
         limit = run.get("max_concurrent_trials")
         self._limit(limit if isinstance(limit, int) and limit > 0 else None)
         self._resolvers = run.get("placeholder_resolvers")
-        # written with the reports (`coordprep best` ranks by them); else the inner searcher's own
-        self._objective = (metric or self._inner.metric, mode or getattr(self._inner, "mode", None))
-        return self._inner.set_search_properties(metric, mode, config, **spec)
+        inner = getattr(self._inner, "searcher", self._inner)  # a Searcher's mode: Tune's SearchGenerator has none
+        self._objective = (metric or run.get("metric") or self._inner.metric,
+                           mode or run.get("mode") or getattr(inner, "mode", None))
 
     def _limit(self, n: int | None) -> None:
         """Honour ``TuneConfig(max_concurrent_trials=n)``, which Tune drops for a SearchAlgorithm.
@@ -163,6 +175,7 @@ class CoordinatedSearcher(RegistryStart, SearchAlgorithm):
         return self._inner.total_samples
 
     def add_configurations(self, experiments) -> None:
+        self._read_run(None, None)  # again: a searcher with a space of its own gets no set_search_properties
         self._inner.add_configurations(experiments)
 
     def next_trial(self):
@@ -189,6 +202,7 @@ class CoordinatedSearcher(RegistryStart, SearchAlgorithm):
 
     def on_trial_result(self, trial_id: str, result: Dict) -> None:
         self._note_start(block=False)  # a start that failed ends the sweep (see _ensure_registry)
+        self._order.adopt(trial_id)  # one a restored sweep runs again, not released here: it holds a place
         self._inner.on_trial_result(trial_id, result)
 
     def on_trial_complete(self, trial_id: str, result: Optional[Dict] = None, error: bool = False) -> None:
@@ -252,14 +266,21 @@ class CoordinatedSearcher(RegistryStart, SearchAlgorithm):
         # its completions; the restored run reruns errored trials under their ids (resume_errored).
         ray.get(self._registry.restored.remote(), timeout=_CALL_TIMEOUT_S)
         self._inner.restore_from_dir(dirpath)
-        self._restore_order(dirpath)
+        self._restore_order(dirpath, tune_run_locals().get("resume_config"))
 
-    def _restore_order(self, dirpath: str) -> None:
-        """Take back the suggestions that were held back when Tune saved ``dirpath``."""
+    def _restore_order(self, dirpath: str, resume: Any = None) -> None:
+        """Take back the suggestions that were held back when Tune saved ``dirpath``, and the trials
+        then running, as running again where Tune resumes them under their ids (``resume``: the
+        restore's ``ResumeConfig``, None for Tune's default, which does). Where it ends them or
+        restarts them under new ids, none is counted (a restarted one is, once it reports)."""
         path = os.path.join(dirpath, ORDER_FILE)
         if self._lookahead and os.path.exists(path):
             with open(path, "rb") as f:
                 self._order = cloudpickle.load(f)
+            unfinished = getattr(resume, "unfinished", ResumeConfig.ResumeType.RESUME)
+            if unfinished != ResumeConfig.ResumeType.RESUME and self._order.forget_running():
+                logger.info("coordinated_prep: the restored sweep's unfinished trials were %s, so none of them "
+                            "counts against max_concurrent any more", getattr(unfinished, "value", unfinished))
 
     # -- data groups ------------------------------------------------------------------------
     def start(self) -> None:

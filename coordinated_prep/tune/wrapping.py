@@ -72,6 +72,10 @@ def wrap(searcher: Searcher | SearchAlgorithm | None, max_concurrent: int, order
     if searcher is None or isinstance(searcher, BasicVariantGenerator):
         inner = searcher or BasicVariantGenerator()
         if inner.max_concurrent:  # its limit is applied around the window
+            if max_concurrent and max_concurrent != inner.max_concurrent:
+                raise ConfigError(f"CoordinatedSearcher: max_concurrent={max_concurrent} and the "
+                                  f"BasicVariantGenerator's max_concurrent={inner.max_concurrent} disagree; set one of "
+                                  "them")
             max_concurrent, inner.max_concurrent = inner.max_concurrent, 0
         return Wrapped(inner, (window or DEFAULT_WINDOW) if grouped else 1, True, max_concurrent)
     if isinstance(searcher, Searcher):
