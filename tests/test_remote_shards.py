@@ -5,6 +5,7 @@ of times and then named."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import glob
 import os
@@ -12,6 +13,7 @@ import re
 import shutil
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -249,7 +251,7 @@ def test_an_opener_waiting_for_a_hung_holder_gives_up_naming_the_lock_and_never_
         holder = threading.Thread(target=lambda: held.append(open_source.__wrapped__(url)))
         holder.start()
         assert downloading.wait(timeout=30), "the holder started its download"
-        with pytest.raises(DatasetError, match="has been fetching it for more than 0.5 s") as e:
+        with pytest.raises(DatasetError, match="has been fetching it and wrote nothing for 0.5 s") as e:
             open_source.__wrapped__(url)  # waits 0.5 s for the lock, then names it
         [lock] = [os.path.join(node_cache, f) for f in os.listdir(node_cache) if f.endswith(".lock")]
         assert url in str(e.value) and f"fuser {lock}" in str(e.value), str(e.value)
@@ -260,6 +262,54 @@ def test_an_opener_waiting_for_a_hung_holder_gives_up_naming_the_lock_and_never_
         assert settled(lambda: _lock_is_free(lock), True), "an abandoned wait kept the lock"
         assert len(open_source.__wrapped__(url)) == 64  # the copy, not fetched again
         assert _gets(server)["/shard-000000.tar"] == 1, "the waiter that gave up fetched nothing"
+
+
+def test_an_opener_waits_on_a_holder_whose_fetch_takes_longer_than_the_lock_wait_while_it_writes(
+        shards, node_cache, tmp_path, monkeypatch):
+    """A large shard may take longer than LOCK_WAIT_S to fetch: the waiters wait on while its
+    ``.part`` grows, and fetch nothing themselves."""
+    monkeypatch.setattr(remote, "LOCK_WAIT_S", 0.3)
+    downloading = threading.Event()
+
+    def slow(fs, remote_path: str, local: str) -> None:  # a holder that writes a little at a time, for 5 waits
+        downloading.set()
+        data = fs.cat_file(remote_path)
+        with open(local, "wb") as f:
+            for i in range(10):
+                f.write(data[i * len(data) // 10:(i + 1) * len(data) // 10])
+                f.flush()
+                time.sleep(0.15)  # the network's pace, not a wait for anyone
+
+    monkeypatch.setattr(remote, "_download", slow)
+    with Server("http", str(tmp_path / "http.log"), shards) as server:
+        url = f"{server.url}/shard-000000.tar"
+        held: list = []
+        holder = threading.Thread(target=lambda: held.append(open_source.__wrapped__(url)))
+        holder.start()
+        assert downloading.wait(timeout=30), "the holder started its download"
+        waited = time.monotonic()
+        assert len(open_source.__wrapped__(url)) == 64, "the waiter reads the holder's copy"
+        assert time.monotonic() - waited > 0.3, "it waited longer than LOCK_WAIT_S"
+        holder.join(timeout=60)
+        assert len(held) == 1 and len(held[0]) == 64
+        assert _gets(server)["/shard-000000.tar"] == 1, "fetched once, by the holder"
+
+
+def test_a_full_node_cache_is_named_at_once_not_retried_as_the_stores_fault(shards, node_cache, tmp_path,
+                                                                             monkeypatch):
+    attempts = []
+
+    def full(fs, remote_path: str, local: str) -> None:
+        attempts.append(local)
+        raise OSError(errno.ENOSPC, "No space left on device", local)
+
+    monkeypatch.setattr(remote, "_download", full)
+    with Server("http", str(tmp_path / "http.log"), shards) as server:
+        with pytest.raises(DatasetError, match=rf"the node's shard cache {re.escape(node_cache)} cannot hold it "
+                                               r"\(\[Errno 28\] No space left on device.*\$COORDPREP_CACHE"):
+            open_source.__wrapped__(f"{server.url}/shard-000000.tar")
+    assert len(attempts) == 1, "a full disk is not the network: no retry"
+    assert not [f for f in os.listdir(node_cache) if f.endswith((".part", ".failed"))]
 
 
 def test_shards_parquet_and_raw_files_in_an_s3_compatible_store_read_with_credentials_from_the_environment(

@@ -25,7 +25,8 @@ Per shard the spill is two files: ``<shard>.samples`` (the pickles, back to back
 renamed, the offsets last, so a shard whose offsets exist is whole. A shard whose read fails is read
 again, at most 3 times in all with a backoff, as a remote tar shard's fetch is. Writers of one node serialise on
 the shard's ``flock`` (:class:`~coordinated_prep.pipeline.sources.remote.node_lock`: the kernel
-releases a dead holder's lock; a live holder is waited for at most ``LOCK_WAIT_S``).
+releases a dead holder's lock; a live holder is waited for while it writes, and at most ``LOCK_WAIT_S``
+without writing).
 
 What the contract cannot check, and the docs say: a dataset whose shards change between reads (a
 listing of a bucket that grows, say) is read as it was at the first read on each node; delete
@@ -217,7 +218,8 @@ class StreamedShards:
 
         offsets_path = self._path(shard, "offsets.npy")
         if not os.path.exists(offsets_path):
-            with node_lock(offsets_path + ".lock", f"shard {shard} of {self.name}"):
+            with node_lock(offsets_path + ".lock", f"shard {shard} of {self.name}",
+                           progress=self._path(shard, "samples") + ".part"):
                 if not os.path.exists(offsets_path):  # an earlier holder spilled it meanwhile
                     self._spill(shard, offsets_path)
         return np.load(offsets_path)

@@ -10,18 +10,21 @@ serves well: one GET per shard per node for the whole sweep, however many trials
 
 Fetching, per shard: look up its size and version (ETag or modification time: the copy is named
 after them, so a shard replaced at its URL is fetched anew), take the copy's lock file (``flock``;
-the kernel releases it if its holder dies; a waiter gives up after :data:`LOCK_WAIT_S`, naming the
-lock, should a live holder hang), return the copy if an earlier holder left it, else fetch into ``<copy>.part`` in at
-most :data:`ATTEMPTS` attempts (fsspec's own timeouts bound each), then ``fsync`` and rename it into
-place: a copy either exists whole or not at all. A holder that gives up leaves its error in
-``<copy>.failed``; the processes that waited for it raise that error instead of trying again each
-(a process that opens the shard later does try again). Credentials come from where each filesystem looks (``AWS_*`` variables and
-``~/.aws`` for ``s3://`` through s3fs, ``AWS_ENDPOINT_URL`` for an S3-compatible server).
+the kernel releases it if its holder dies; a waiter gives up once the holder's ``.part`` has not
+grown for :data:`LOCK_WAIT_S`, naming the lock, should a live holder hang), return the copy if an
+earlier holder left it, else fetch into ``<copy>.part`` in at most :data:`ATTEMPTS` attempts
+(fsspec's own timeouts bound each; a full disk here ends them at once, named), then ``fsync`` and
+rename it into place: a copy either exists whole or not at all. A holder that gives up leaves its
+error in ``<copy>.failed``; the processes that waited for it raise that error instead of trying
+again each (a process that opens the shard later does try again). Credentials come from where each
+filesystem looks (``AWS_*`` variables and ``~/.aws`` for ``s3://`` through s3fs,
+``AWS_ENDPOINT_URL`` for an S3-compatible server).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import glob
 import hashlib
@@ -41,7 +44,8 @@ logger = logging.getLogger(__name__)
 
 ATTEMPTS = 3  # fetches of one shard before its error is raised
 BACKOFF_S = 0.5  # wait before the second attempt; doubled before each later one
-LOCK_WAIT_S = 1800.0  # longest wait for another process of the node fetching the same shard
+_LOCAL_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # a copy that cannot be written here
+LOCK_WAIT_S = 1800.0  # longest wait for another process of the node fetching the same shard, writing nothing
 FETCHERS = 16  # shards a process fetches (or looks up) at once
 NAMED = 5  # shards that could not be fetched named in one error (the others counted)
 
@@ -139,7 +143,7 @@ def _fetch(url: str, folder: str) -> str:
     if os.path.exists(path):
         return path
     asked = time.time()
-    with node_lock(path + ".lock", f"shard {url}"):
+    with node_lock(path + ".lock", f"shard {url}", progress=path + ".part"):
         if os.path.exists(path):
             return path  # an earlier holder fetched it
         failed = path + ".failed"
@@ -164,7 +168,11 @@ def _fetch(url: str, folder: str) -> str:
                 logger.info("fetched %s into the node's shard cache (%d bytes, %.2f s)", url, os.path.getsize(path),
                             time.perf_counter() - started)
                 return path
-            except Exception as e:  # each filesystem raises its own errors; all are retried alike
+            except Exception as e:  # each filesystem raises its own errors; all are retried alike but a full disk
+                if isinstance(e, OSError) and e.errno in _LOCAL_FULL:  # here, not the store's: no retry helps
+                    raise DatasetError(f"shard {url}: the node's shard cache {os.path.dirname(path)} cannot hold it "
+                                       f"({e}); free space there or point $COORDPREP_CACHE at a larger local "
+                                       "disk") from e
                 last = e
                 logger.warning("fetching %s failed (attempt %d of %d): %r", url, attempt + 1, ATTEMPTS, e)
             finally:
@@ -173,9 +181,12 @@ def _fetch(url: str, folder: str) -> str:
         message = (f"shard {url}: could not be fetched in {ATTEMPTS} attempts, last error {last!r}; check that the "
                    "URL exists and the credentials (AWS_* variables, ~/.aws; AWS_ENDPOINT_URL for an S3-compatible "
                    "server) reach every node")
-        with open(failed + ".tmp", "w") as f:  # for the processes waiting on the lock now (above)
-            f.write(message)
-        os.replace(failed + ".tmp", failed)
+        try:  # for the processes waiting on the lock now (above); without it, each tries again itself
+            with open(failed + ".tmp", "w") as f:
+                f.write(message)
+            os.replace(failed + ".tmp", failed)
+        except OSError as e:
+            logger.warning("could not leave the error of %s for the node's other openers: %r", url, e)
     raise DatasetError(message)
 
 
@@ -251,16 +262,21 @@ def _no_links(url: str, cache: str, e: OSError) -> DatasetError:
 
 
 class node_lock:
-    """The exclusive ``flock`` of ``lock_path`` for the ``with`` block, waited for at most :data:`LOCK_WAIT_S`.
+    """The exclusive ``flock`` of ``lock_path`` for the ``with`` block, waited for as long as the holder
+    makes progress, and at most :data:`LOCK_WAIT_S` without it.
 
     The kernel releases a dead holder's lock; the deadline covers a live holder that hangs. A flock
     cannot be waited for with a timeout, so a held lock is waited for in a thread of its own, blocked
-    in the kernel (no polling). Past the deadline the caller raises; the thread, once it gets the
-    lock, releases it at once and closes its file: an abandoned wait never keeps the lock.
+    in the kernel (no polling). Every :data:`LOCK_WAIT_S` the caller looks at ``progress``, the file
+    the holder writes (its ``.part``): if it grew or changed since the last look, the wait goes on (a
+    large shard may take longer than that to fetch); if not, or without ``progress``, the caller
+    raises. The thread, once it gets the lock, releases it at once and closes its file: an abandoned
+    wait never keeps the lock.
     """
 
-    def __init__(self, lock_path: str, what: str) -> None:
+    def __init__(self, lock_path: str, what: str, progress: str | None = None) -> None:
         self.path, self.what = lock_path, what  # what the holder writes, for the error: "shard <url>"
+        self.progress = progress
         self.file = open(lock_path, "a+b")
 
     def __enter__(self) -> None:
@@ -284,19 +300,33 @@ class node_lock:
                     taken.set()
 
         threading.Thread(target=wait, name="coordprep-shard-lock", daemon=True).start()
-        if taken.wait(LOCK_WAIT_S):
+        seen = _state(self.progress)
+        while not taken.wait(LOCK_WAIT_S):
+            now = _state(self.progress)
+            if now is not None and now != seen:
+                seen = now  # the holder is writing: wait on
+                continue
+            with guard:
+                if not taken.is_set():
+                    state["abandoned"] = True  # the thread releases the lock and closes the file
+                    raise DatasetError(
+                        f"{self.what}: another process of this node has been fetching it and wrote nothing for "
+                        f"{LOCK_WAIT_S:g} s, and still holds {self.path}; find it with 'fuser {self.path}' and end "
+                        "it (its download hung: check the network to the store), then open the dataset again")
             return
-        with guard:
-            if not taken.is_set():
-                state["abandoned"] = True  # the thread releases the lock and closes the file
-                raise DatasetError(
-                    f"{self.what}: another process of this node has been fetching it for more than "
-                    f"{LOCK_WAIT_S:g} s and still holds {self.path}; find it with 'fuser {self.path}' and end it "
-                    "(its download hung: check the network to the store), then open the dataset again")
 
     def __exit__(self, *exc: object) -> None:
         fcntl.flock(self.file, fcntl.LOCK_UN)
         self.file.close()
+
+
+def _state(path: str | None) -> tuple[int, int] | None:
+    """``path``'s size and modification time (None: no path, or no such file)."""
+    try:
+        info = os.stat(path) if path else None
+    except FileNotFoundError:
+        return None
+    return (info.st_size, info.st_mtime_ns) if info else None
 
 
 def _download(fs, remote: str, local: str) -> None:
