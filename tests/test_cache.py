@@ -26,6 +26,13 @@ from tests.utils import FileOpens
 EPOCHS = 3
 
 
+def test_lru_counts_a_key_admitted_again_once():
+    lru = LruPolicy(10)
+    assert lru.admit("a", 4) and lru.admit("a", 4) and lru.admit("b", 4)
+    assert lru.used_bytes == 8 and lru.lookup("a") and lru.lookup("b")
+    assert lru.admit("a", 6) and lru.used_bytes == 10 and lru.lookup("a") and lru.lookup("b")
+
+
 def test_minio_hit_rate_is_the_cached_fraction_while_lru_of_the_same_size_falls_short(ray_session, small_dataset):
     source = open_source(small_dataset)
     n = len(source)

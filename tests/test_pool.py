@@ -31,10 +31,27 @@ def test_defaults_are_one_actor_per_cpu_at_most_reserving_half_and_a_quarter_of_
     ({"staging_bytes": "lots"}, r"pool.staging_bytes='lots' must be a byte count"),
     ({"actor": 2}, r"pool: unknown key\(s\) \['actor'\]"),
     ({"keep_warm": "yes"}, r"pool.keep_warm='yes' must be true or false"),
+    ({"cpus": float("nan")}, r"pool.cpus=nan must be a number >= 0"),
+    ({"start_timeout_s": True}, r"pool.start_timeout_s=True must be a positive number of seconds"),
+    ({"start_timeout_s": float("inf")}, r"pool.start_timeout_s=inf must be a positive number"),
+    ({"staging_fraction": True}, r"pool.staging_fraction=True must be in \(0, 0.9\]"),
 ])
 def test_bad_values_name_the_key(values, message):
     with pytest.raises(ConfigError, match=message):
         PoolSpec.from_mapping(values)
+
+
+def test_a_staging_budget_and_decoded_tier_in_bytes_must_leave_the_trials_part_of_the_store():
+    """Fractions are checked when the spec is made; byte counts once the node's store size is known."""
+    store = 10 * 2**30
+    PoolSpec().check_store(store, "n" * 28)  # a quarter each
+    PoolSpec(staging_bytes="6GiB", decoded_bytes="3GiB").check_store(store, "n" * 28)  # 0.9: the most
+    for spec in (PoolSpec(staging_bytes="8GiB", decoded_fraction=0.6), PoolSpec(staging_fraction=0.9,
+                 decoded_bytes="8GiB"), PoolSpec(decoded_bytes="64GiB")):
+        with pytest.raises(ConfigError, match=r"node nnnnnnnnnnnn: the staging budget \(\d+ bytes: pool.staging_bytes "
+                                              r"or staging_fraction\) and the decoded tier .* more than 0.9 of its "
+                                              rf"{store}-byte object store.*lower one of them"):
+            spec.check_store(store, "n" * 28)
 
 
 def test_equal_shares_and_caps_water_filled():

@@ -124,6 +124,18 @@ def test_a_full_tier_refuses_without_evicting_anything():
     assert book.used == 8 and book.entries[("p", 1)] == Hit(oid, 1)  # what was kept stays
 
 
+def test_a_commit_the_object_store_refuses_is_withdrawn_and_closes_admission():
+    """DecodedTier.commit keeps an object once ray.put took it; a put that raises (the store is full)
+    withdraws the commit: nothing is kept that has no object, and nothing is charged for it."""
+    book = TierBook(capacity=100, claim_timeout_s=1.0)
+    book.claim("p", [0, 1, 2, 3], "a", 0.0)
+    kept = book.commit("p", [0, 1], 8, "a")
+    book.withdraw(book.commit("p", [2, 3], 8, "a"))
+    assert book.used == 8 and book.full and set(book.entries) == {("p", 0), ("p", 1)} and list(book.objects) == [kept]
+    assert book.claim("p", [1, 2], "b", 0.0) == [Hit(kept, 1), SELF], "the withdrawn: decode it yourself"
+    assert (book.stats["kept"], book.stats["refused"]) == (2, 2)
+
+
 def test_a_restarted_prep_actor_finds_its_claims_its_own_and_others_wait_only_until_the_deadline():
     book = TierBook(capacity=100, claim_timeout_s=2.0)
     assert book.claim("p", [0], "a", 0.0) == [MINE]

@@ -79,9 +79,9 @@ class LruPolicy(_Policy):
         """Hold ``key``, evicting the least recently used items to make room; False if it is too big."""
         if nbytes > self.capacity_bytes:
             return False
+        self.used_bytes += nbytes - self._sizes.get(key, 0)  # a key held already is counted once
         self._sizes[key] = nbytes
         self._sizes.move_to_end(key)
-        self.used_bytes += nbytes
         while self.used_bytes > self.capacity_bytes:
             _, size = self._sizes.popitem(last=False)
             self.used_bytes -= size

@@ -69,6 +69,7 @@ class NodePool:
 
     def __init__(self, node: str, cpus: float, store_bytes: float, spec: PoolSpec,
                  cache: tuple[CacheLayout, CacheSpec] | None, lent: list[Any] | None = None) -> None:
+        spec.check_store(store_bytes, node)
         self.node = node
         self.spec = spec
         most, self.each = spec.shape_for(cpus)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -69,9 +71,10 @@ class PoolSpec:
                                         or self.actors < 1):
             raise ConfigError(f"pool.actors={self.actors!r} must be an integer >= 1 (or unset: one per CPU)")
         if self.cpus is not None and (not isinstance(self.cpus, (int, float)) or isinstance(self.cpus, bool)
-                                      or self.cpus < 0):
+                                      or not 0 <= self.cpus < math.inf):
             raise ConfigError(f"pool.cpus={self.cpus!r} must be a number >= 0 (or unset: half the node's CPUs)")
-        if not isinstance(self.staging_fraction, (int, float)) or not 0.0 < self.staging_fraction <= 0.9:
+        if (not isinstance(self.staging_fraction, (int, float)) or isinstance(self.staging_fraction, bool)
+                or not 0.0 < self.staging_fraction <= 0.9):
             raise ConfigError(f"pool.staging_fraction={self.staging_fraction!r} must be in (0, 0.9]")
         if self.staging_bytes is not None:
             object.__setattr__(self, "staging_bytes", parse_bytes(self.staging_bytes, "pool.staging_bytes"))
@@ -91,7 +94,8 @@ class PoolSpec:
                               "leave the trials none and make it spill; lower one of them")
         if not isinstance(self.keep_warm, bool):
             raise ConfigError(f"pool.keep_warm={self.keep_warm!r} must be true or false")
-        if not isinstance(self.start_timeout_s, (int, float)) or self.start_timeout_s <= 0:
+        if (not isinstance(self.start_timeout_s, (int, float)) or isinstance(self.start_timeout_s, bool)
+                or not 0 < self.start_timeout_s < math.inf):
             raise ConfigError(f"pool.start_timeout_s={self.start_timeout_s!r} must be a positive number of seconds")
 
     @property
@@ -115,6 +119,21 @@ class PoolSpec:
     def budget_for(self, store_bytes: float) -> int:
         """The node's staging budget, for an object store of ``store_bytes``."""
         return int(self.staging_bytes) if self.staging_bytes is not None else int(store_bytes * self.staging_fraction)
+
+    def check_store(self, store_bytes: float, node: str) -> None:
+        """Refuse a staging budget and decoded tier that together take more than 0.9 of ``node``'s
+        object store (``store_bytes``): the fractions are checked when the spec is made, byte counts
+        only here, once the store's size is known.
+
+        Raises:
+            ConfigError: Naming both budgets, the store and the fix.
+        """
+        staging, decoded = self.budget_for(store_bytes), self.decoded_for(store_bytes)
+        if staging + decoded > 0.9 * store_bytes:
+            raise ConfigError(f"node {node[:12]}: the staging budget ({staging} bytes: pool.staging_bytes or "
+                              f"staging_fraction) and the decoded tier ({decoded} bytes: pool.decoded_bytes or "
+                              f"decoded_fraction) add up to more than 0.9 of its {int(store_bytes)}-byte object store, "
+                              "which would leave the trials none and make it spill; lower one of them")
 
     def decoded_for(self, store_bytes: float) -> int:
         """The node's decoded tier budget, for an object store of ``store_bytes`` (0: no tier)."""

@@ -15,6 +15,7 @@ kept are freed with the call's argument.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, Hashable
 
@@ -22,6 +23,8 @@ import ray
 
 from coordinated_prep import metrics
 from coordinated_prep.tier.book import SELF, WAIT, Hit, TierBook
+
+logger = logging.getLogger(__name__)
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
@@ -55,7 +58,13 @@ class DecodedTier:
         """Keep ``batch`` (the outputs of ``indices``, in order) as one object if it fits; wakes waiters."""
         oid = self.book.commit(prefix, indices, nbytes, who)
         if oid is not None:
-            self.refs[oid] = ray.put(batch)
+            try:
+                self.refs[oid] = ray.put(batch)
+            except Exception as e:  # the object store refused it (full, out of disk): kept nowhere, nothing charged
+                logger.warning("decoded tier on node %s: %d samples could not be stored (%r); admission closes",
+                               self.node[:12], len(indices), e)
+                self.book.withdraw(oid)
+                oid = None
         metrics.set_gauge("decoded_bytes", self.book.used, **self.tags)
         async with self.changed:
             self.changed.notify_all()

@@ -140,6 +140,18 @@ class TierBook:
         self.stats["kept"] += len(fresh)
         return oid
 
+    def withdraw(self, oid: int) -> None:
+        """Undo the commit of object ``oid``, whose outputs could not be stored after all (the object
+        store refused them): its samples are no longer kept, its bytes are freed, and admission closes."""
+        kept = self.objects.pop(oid)
+        for key in kept.keys:
+            if self.entries.get(key, (None,))[0] == oid:
+                del self.entries[key]
+                self.stats["kept"] -= 1
+                self.stats["refused"] += 1
+        self.used -= kept.nbytes
+        self.full = True
+
     def release(self, prefix: str, indices: Iterable[int], who: Hashable) -> None:
         """End ``who``'s claims on ``indices`` without keeping anything (decoding them failed)."""
         for index in indices:
