@@ -38,9 +38,10 @@ def test_collate_fn_gets_each_sample_as_the_dataset_gave_it():
     seen = []
     loader = train_loader(_spec(dataset), 8, epochs=1, num_workers=0, collate_fn=lambda b: seen.extend(b) or len(b))
     batches = list(loader)
-    assert [b.data for b in batches] == [len(b) for b in batches], "data is what collate_fn returned"
+    default = list(train_loader(_spec(dataset), 8, epochs=1, num_workers=0))  # the same samples, in the same order
+    assert batches == [len(b) for b in default], "the loop gets what collate_fn returned, as from a DataLoader"
     assert len(seen) == loader.samples_per_epoch
-    for sample, index in zip(seen, torch.cat([b.indices for b in batches]).tolist()):
+    for sample, index in zip(seen, torch.cat([b.indices for b in default]).tolist()):
         image, target = dataset[index]
         assert isinstance(sample, tuple) and isinstance(sample[1], dict) and list(sample[1]) == list(target)
         got_image, got = sample
@@ -51,6 +52,38 @@ def test_collate_fn_gets_each_sample_as_the_dataset_gave_it():
         assert type(got["labels"]) is torch.Tensor and torch.equal(got["labels"], target["labels"])
         assert isinstance(got["score"], np.ndarray) and got["score"] == target["score"]
         assert type(got["id"]) is int and got["id"] == index and got["name"] == f"img{index}"
+
+
+class Records(torch.utils.data.Dataset):
+    """Dict samples, as a Hugging Face dataset gives them."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> dict:
+        return {"pixel_values": torch.full((3, 4, 4), float(i)), "labels": i}
+
+
+def test_a_collate_fns_own_type_and_dict_batches_reach_the_loop_as_from_a_dataloader():
+    class Inputs:  # a team's own batch type, as Hugging Face's BatchEncoding is
+        def __init__(self, samples):
+            self.pixel_values = torch.stack([s["pixel_values"] for s in samples])
+            self.labels = torch.tensor([s["labels"] for s in samples])
+
+    def forward(pixel_values, labels):  # a model called as model(**batch)
+        return pixel_values.shape[0], labels.tolist()
+
+    spec = _spec(Records(), holdout=0.0, chunk_size=8)
+    ours = list(train_loader(spec, 8, epochs=1, num_workers=0, collate_fn=Inputs))
+    assert all(type(b) is Inputs for b in ours) and sum(len(b.labels) for b in ours) == 40
+    assert sorted(int(x) for b in ours for x in b.labels) == list(range(40))
+    evaluated = list(eval_loader(_spec(Records(), chunk_size=8), 2, collate_fn=Inputs))  # 4 held out
+    assert len(evaluated) == 2 and all(type(b) is Inputs for b in evaluated)
+    default = list(train_loader(spec, 8, epochs=1, num_workers=0))  # default_collate's dict, spread into a model
+    assert [forward(**b)[0] for b in default] == [8] * 5 and sorted(sum((forward(**b)[1] for b in default), [])) == \
+        list(range(40))
+    assert set(default[0].keys()) == {"pixel_values", "labels"} and not hasattr(list(train_loader(
+        _spec(Sized(16), holdout=0.0), 8, epochs=1, num_workers=0))[0], "keys"), "tuple samples: no keys, as a tuple"
 
 
 def test_default_batches_keep_tv_tensors_where_default_collate_would_and_ragged_entries_keep_theirs():

@@ -10,7 +10,7 @@ import torch
 from torchvision.transforms import v2
 
 from coordinated_prep import ConfigError, DataSpec, SampleError, eval_loader, train_loader
-from coordinated_prep.errors import StructureError
+from coordinated_prep.errors import PrepError, StructureError
 from coordinated_prep.pipeline import ArrayDataset, Factory
 from tests.harness import assert_exactly_once, batch_digests
 
@@ -60,7 +60,10 @@ def test_a_dataset_that_cannot_be_pickled_is_refused_with_the_fix():
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_standalone_loader_serves_exact_epochs_with_the_bytes_of_any_worker_count(workers):
     spec = DataSpec(dataset=images(), transform=AUGMENT, holdout=0.25, chunk_size=16, coordinated=False)
-    got = _epochs(train_loader(spec, 10, epochs=3, num_workers=workers), 3)
+    loader = train_loader(spec, 10, epochs=3, num_workers=workers)
+    got = _epochs(loader, 3)
+    if workers:  # the declared epochs read: no worker process prepares a fourth
+        assert loader._stream._workers._it is None, "the workers outlived the declared epochs"
     train = sorted(set(range(96)) - set(_held_out(spec)))
     assert_exactly_once([e["indices"] for e in got], train)
     alone = _epochs(train_loader(spec, 10, epochs=3, num_workers=0), 3)
@@ -130,6 +133,24 @@ def test_a_workers_error_is_raised_where_the_piece_is_read():
     with pytest.raises(SampleError, match=r"sample 13"):
         list(train_loader(DataSpec(dataset=Flaky(), coordinated=False, holdout=0.0, chunk_size=8), 8, epochs=1,
                           num_workers=2))
+
+
+class Hanging:
+    """Sample 13's ``__getitem__`` hangs, as a read from storage that never answers."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int):
+        if i == 13:
+            threading.Event().wait(60)  # a read that does not return (the worker is ended at the test's end)
+        return np.full(4, i, np.float32), i
+
+
+def test_a_worker_whose_read_hangs_fails_the_loader_after_fetch_timeout_s_naming_the_piece():
+    spec = DataSpec(dataset=Hanging(), coordinated=False, holdout=0.0, chunk_size=8, fetch_timeout_s=1.0)
+    with pytest.raises(PrepError, match=r"piece \d+: no worker process had it ready within data.fetch_timeout_s=1 s"):
+        list(train_loader(spec, 8, epochs=1, num_workers=1))
 
 
 def test_torchvision_exclusions_hold():

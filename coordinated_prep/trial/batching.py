@@ -14,7 +14,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -27,9 +27,10 @@ class Batch:
     """One minibatch: the structure ``torch.utils.data.default_collate`` gives for its samples, and
     where each sample came from.
 
-    ``images, targets = batch`` and ``for images, targets in loader`` unpack :attr:`data`, and
-    ``batch[k]`` indexes it, so a training loop written for a ``DataLoader`` runs unchanged;
-    ``len(batch)`` is the number of samples.
+    ``images, targets = batch`` and ``for images, targets in loader`` unpack :attr:`data`,
+    ``batch[k]`` indexes it and ``model(**batch)`` spreads dict samples, so a training loop written for a
+    ``DataLoader`` runs unchanged; ``len(batch)`` is the number of samples. (With a ``collate_fn`` the
+    loaders yield what it returns instead.)
 
     Attributes:
         data: The collated batch. A stacked leaf is a tensor that is a view of shared memory when
@@ -92,6 +93,14 @@ class Batch:
 
     def __getitem__(self, key: Any) -> Any:
         return self.data[key]
+
+    @property
+    def keys(self) -> Callable[[], Any]:
+        """For dict samples, :attr:`data`'s ``keys``: ``model(**batch)`` works as with a ``DataLoader``'s
+        dict batch. Other batches have none (``hasattr(batch, "keys")`` is False, as for a tuple)."""
+        if not isinstance(self.data, Mapping):
+            raise AttributeError("keys: this batch's data is not a mapping")
+        return self.data.keys
 
     @property
     def images(self) -> torch.Tensor:

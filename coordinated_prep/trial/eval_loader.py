@@ -38,7 +38,7 @@ class EvalLoader:
                           self.batch_size)
         if self.collate_fn is None:
             return batches
-        return (batch.collated(self.collate_fn) for batch in batches)
+        return (batch.collated(self.collate_fn).data for batch in batches)  # what it returned, as a DataLoader
 
     def __len__(self) -> int:
         if self._batches is None:

@@ -173,6 +173,8 @@ class TrainLoader:
         if self.collate_fn is not None:  # on the loop's thread: a collate that draws (mixup) draws between its steps
             batches = (batch.collated(self.collate_fn) for batch in batches)
         batches = self._timed(batches)
+        if self.collate_fn is not None:  # the loop gets what collate_fn returned, as from a DataLoader
+            batches = (batch.data for batch in batches)
         self._live = weakref.ref(batches)
         return batches
 
@@ -215,6 +217,8 @@ class TrainLoader:
         self.epoch_wall_s += wall_s
         self.read_wait_s += wait_s
         self._tell_sink()
+        if self.epochs is not None and self.epoch >= self.epochs and isinstance(self._stream, PrivateStream):
+            self._stream.close()  # the last declared epoch: its worker processes prepare nothing more
 
     @property
     def stall_fraction(self) -> float | None:
@@ -308,11 +312,12 @@ def train_loader(
         collate_fn: As a ``DataLoader``'s: called in this process with the list of a batch's samples,
             each in the structure and types the dataset and transform gave (a ``tv_tensors.BoundingBoxes``
             with its format and canvas size, an int label as an int; :meth:`Batch.samples`), and its
-            result is the batch's :attr:`~Batch.data` (``for images, targets in loader`` unpacks it).
-            Detection's ``lambda b: tuple(zip(*b))`` works. None: ``default_collate``'s structure, with
-            stacked leaves as views of the shared pieces. It runs on the loop's thread, after pinning
-            (so a collate that draws, as mixup does, draws between the loop's steps): the leaves it
-            gets are pinned, and what it stacks itself is not.
+            result is what the loop gets, whatever its type, as from a ``DataLoader`` (a dict for
+            ``model(**batch)``; detection's ``lambda b: tuple(zip(*b))``). None: a :class:`Batch`, which
+            unpacks and indexes as ``default_collate``'s structure (stacked leaves as views of the shared
+            pieces) and also says where each sample came from (``indices``, ``repeats``). It runs on
+            the loop's thread, after pinning (so a collate that draws, as mixup does, draws between the
+            loop's steps): the leaves it gets are pinned, and what it stacks itself is not.
 
     In a Ray Train worker (``TorchTrainer`` inside a Tune trial, or a run of Ray Train alone),
     rank ``r`` of ``k`` reads its disjoint share of each of the trial's epochs, the same number of

@@ -36,7 +36,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from coordinated_prep.errors import CoordinatedPrepError
+from coordinated_prep.errors import CoordinatedPrepError, PrepError
 from coordinated_prep.pipeline.chunk import PreparedChunk, prepare_chunk
 from coordinated_prep.pipeline.structure import Layout
 
@@ -139,6 +139,7 @@ class WorkerPieces:
     def __init__(self, spec: Any, plan: Any, layout: Layout, workers: int, prefetch: int = 2) -> None:
         self._dataset = _Pieces(spec, plan, layout)
         self._workers, self._prefetch = workers, prefetch
+        self._timeout_s = float(spec.fetch_timeout_s)
         self._context = worker_context(self._dataset)
         self._it: Iterator[Any] | None = None
         self._next = 0
@@ -154,7 +155,8 @@ class WorkerPieces:
         # Its value does not matter: every draw of a preparation is seeded per sample (seeding).
         loader = DataLoader(self._dataset, batch_size=None, sampler=itertools.count(g), num_workers=self._workers,
                             prefetch_factor=self._prefetch, collate_fn=_identity, persistent_workers=False,
-                            multiprocessing_context=self._context, generator=torch.Generator())
+                            multiprocessing_context=self._context, generator=torch.Generator(),
+                            timeout=self._timeout_s)
         self._it, self._next = iter(loader), g
 
     def next(self, g: int) -> PreparedChunk:
@@ -162,7 +164,15 @@ class WorkerPieces:
         if self._it is None or g != self._next:
             self.start(g)
         self._next += 1
-        shipped = next(self._it)  # type: ignore[arg-type]
+        try:
+            shipped = next(self._it)  # type: ignore[arg-type]
+        except RuntimeError as e:
+            if "timed out" not in str(e):
+                raise
+            self.close()
+            raise PrepError(f"piece {g}: no worker process had it ready within data.fetch_timeout_s="
+                            f"{self._timeout_s:g} s ({e}); its storage may hang (check that it answers), or raise "
+                            "fetch_timeout_s if one piece takes that long to prepare") from None
         if len(shipped) == 1:
             self.close()
             raise shipped[0]  # the SampleError or StructureError, as the reading process would raise it
