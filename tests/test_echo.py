@@ -268,6 +268,31 @@ def test_a_loader_with_views_and_echo_keeps_exact_epochs(echo):
         assert loader.echo_counts.batches == 2 * len(loader)
 
 
+@pytest.mark.parametrize("echo", ["off", "example:2", "batch:2"])
+def test_drop_last_leaves_out_the_short_last_batch_as_a_dataloaders_does(echo):
+    """The built-in set's training split, 32 per batch: a DataLoader with drop_last=True yields only
+    full batches, len() counts them, and no sample comes twice; the samples left out are fewer than
+    a batch (and differ from epoch to epoch, as its shuffling's do)."""
+    from coordinated_prep import DataSpec, train_loader
+    from tests.harness import train_ids
+
+    spec = DataSpec(pipeline={"size": 16}, coordinated=False, chunk_size=32, views=2, seed=4)
+    loader = train_loader(spec, 32, epochs=2, echo=echo, drop_last=True)
+    rows = 2 * len(train_ids(spec))
+    assert rows % 32, "the split does not divide into batches: there is a short last batch to leave out"
+    kept = rows - rows % 32
+    for _ in range(2):
+        batches = list(loader)
+        assert len(batches) == len(loader) == EchoSpec.parse(echo).batches_per_epoch(kept, 32)
+        assert all(len(b) == 32 for b in batches)
+        ids, views = np.concatenate([b.indices.numpy() for b in batches]), np.concatenate([b.repeats.numpy() for b in
+                                                                                            batches])
+        fresh = ids[views == 0]
+        assert len(set(fresh.tolist())) == len(fresh) and len(train_ids(spec)) - len(fresh) < 32
+    assert loader.fresh_batches_per_epoch == len(train_ids(spec)) // 32
+    assert len(train_loader(spec, 32, epochs=1, drop_last=False)) == EchoSpec().batches_per_epoch(rows, 32)
+
+
 # ---- the echo experiment's report (pure) ----------------------------------------------------------------------
 
 def test_the_echo_report_measures_time_to_echo_offs_final_accuracy_per_seed():

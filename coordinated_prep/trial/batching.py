@@ -160,11 +160,14 @@ class Batcher:
             :meth:`~coordinated_prep.trial.streams.PieceStream.ready`); None: always.
         left: Pieces ``pieces`` still holds, if known: once they are all taken, the last (smaller)
             batch is at hand too.
+        drop_last: Leave that last batch out if it is smaller than ``batch_size`` (a ``DataLoader``'s
+            ``drop_last``).
     """
 
     def __init__(self, pieces: Iterator[PreparedChunk], batch_size: int, stats: BatchStats | None = None,
-                 ready: Callable[[int], bool] | None = None, left: int | None = None) -> None:
+                 ready: Callable[[int], bool] | None = None, left: int | None = None, drop_last: bool = False) -> None:
         self._pieces = pieces
+        self._drop_last = drop_last
         self.batch_size = batch_size
         self.stats = stats if stats is not None else BatchStats()
         self._ready = ready
@@ -197,7 +200,8 @@ class Batcher:
                 self._pending.append((piece, 0))
                 self._have += len(piece)
                 self._piece_len = len(piece)
-            if not self._have:
+            if not self._have or (self._drop_last and self._have < self.batch_size):  # (the pieces are spent)
+                self._pending, self._have = [], 0
                 return None
             n = min(self.batch_size, self._have)
             batch, self._pending = _take(self._pending, n, self.stats)

@@ -39,7 +39,7 @@ class TrainLoader:
 
     Each epoch holds every training sample exactly once as a fresh sample (``Batch.repeats == 0``);
     with echo or views it also holds repeats (:mod:`coordinated_prep.trial.echo`). The last batch may be
-    smaller.
+    smaller, unless ``drop_last`` leaves it out (then each epoch holds every sample at most once).
 
     Args:
         stream: Where the pieces come from (shared or private).
@@ -55,13 +55,16 @@ class TrainLoader:
         collate_fn: Builds each batch's :attr:`~Batch.data` from its samples (see :func:`train_loader`).
         part: The trial's part of the training split (:mod:`coordinated_prep.trial.subset`); None:
             the whole split.
+        drop_last: Without ``shard``, a ``DataLoader``'s: leave out a short last batch (before echo).
     """
 
     def __init__(self, stream: PieceStream, batch_size: int, epochs: int | None = None,
                  tags: Mapping[str, str] | None = None, echo: EchoSpec | None = None, views: int = 1,
                  seed: int = 0, pin_memory: bool = False, shard: Shard | None = None,
-                 collate_fn: Callable[[list[Any]], Any] | None = None, part: Part | None = None) -> None:
+                 collate_fn: Callable[[list[Any]], Any] | None = None, part: Part | None = None,
+                 drop_last: bool = False) -> None:
         self._stream = stream
+        self.drop_last = drop_last and shard is None  # a rank's drop_last is its Shard's
         self._part = part
         # samples of an epoch: the trial's part of the split (its rows of every piece), or the whole split
         self._epoch_samples = stream.samples_per_epoch if part is None else int(part.size)
@@ -129,7 +132,8 @@ class TrainLoader:
     @property
     def fresh_batches_per_epoch(self) -> int:
         """Batches an epoch would hold without echo or views: the unit of a learning-rate schedule."""
-        return math.ceil(self.samples_per_epoch / self.batch_size)
+        n = self.samples_per_epoch
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def __bool__(self) -> bool:  # ``if loader:`` must not call __len__ (which raises for echo="auto")
         return True
@@ -144,7 +148,8 @@ class TrainLoader:
         if self.shard is not None:  # the rank's rows of the epoch's rows (samples x views), then echo
             n = rank_steps(self._epoch_samples, self.views, self.batch_size, self.shard, self.echo)
         else:
-            n = self.echo.batches_per_epoch(self.views * self.samples_per_epoch, self.batch_size)
+            rows = self.views * self.samples_per_epoch
+            n = self.echo.batches_per_epoch(rows - rows % self.batch_size if self.drop_last else rows, self.batch_size)
         if n is None:
             raise TypeError("len() of a train_loader with echo='auto' is not fixed (it echoes only while fresh data "
                             "is not ready); size schedules with loader.fresh_batches_per_epoch")
@@ -169,12 +174,9 @@ class TrainLoader:
         if self.epochs is not None and self.epoch >= self.epochs:
             raise ConfigError(f"train_loader: epoch {self.epoch + 1} requested, but the loader was created with "
                               f"epochs={self.epochs}; raise epochs or leave it unset")
-        batches = pinned(self._batches()) if self._pin else self._batches()
-        if self.collate_fn is not None:  # on the loop's thread: a collate that draws (mixup) draws between its steps
-            batches = (batch.collated(self.collate_fn) for batch in batches)
-        batches = self._timed(batches)
-        if self.collate_fn is not None:  # the loop gets what collate_fn returned, as from a DataLoader
-            batches = (batch.data for batch in batches)
+        batches = self._timed(pinned(self._batches()) if self._pin else self._batches())
+        if self.collate_fn is not None:  # on the loop's thread (a collate that draws, as mixup, draws between steps)
+            batches = (batch.collated(self.collate_fn).data for batch in batches)  # the loop gets what it returned
         self._live = weakref.ref(batches)
         return batches
 
@@ -248,7 +250,8 @@ class TrainLoader:
         self.epoch_counts = EchoCounts()
         if self.shard is None:
             pieces = restricted((self._stream.next_piece() for _ in range(self._stream.chunks_per_epoch)), self._part)
-            fresh = Batcher(pieces, self.batch_size, self.stats, self._stream.ready, self._stream.chunks_per_epoch)
+            fresh = Batcher(pieces, self.batch_size, self.stats, self._stream.ready, self._stream.chunks_per_epoch,
+                            self.drop_last)
         else:
             fresh = self._rank_batches(self.shard)  # type: ignore[assignment]
         # echo acts on the rank's batches, equal in number and size on every rank: equal steps (shard.rank_steps)
@@ -306,9 +309,10 @@ def train_loader(
             ``DataLoader``'s ``pin_memory``); pieces this process prepares itself are still prepared on
             the loop's thread, between its own draws (:func:`pinned`). Without an accelerator it warns
             and does nothing.
-        drop_last: In a data-parallel trial, leave out the end of an epoch that does not split
-            evenly over the ranks instead of padding it with repeats (``DistributedSampler``'s
-            ``drop_last``; :mod:`coordinated_prep.trial.shard`).
+        drop_last: As a ``DataLoader``'s: leave out an epoch's last batch if it is smaller than
+            ``batch_size`` (``len()`` counts the full batches). In a data-parallel trial, as
+            ``DistributedSampler``'s: leave out the end of an epoch that does not split evenly over the
+            ranks instead of padding it with repeats (:mod:`coordinated_prep.trial.shard`).
         collate_fn: As a ``DataLoader``'s: called in this process with the list of a batch's samples,
             each in the structure and types the dataset and transform gave (a ``tv_tensors.BoundingBoxes``
             with its format and canvas size, an int label as an int; :meth:`Batch.samples`), and its
@@ -352,7 +356,7 @@ def train_loader(
         check_data_parallel(spec, echo_spec, shard, where.trial or _OUTSIDE_TUNE)
     trial = where.trial or _OUTSIDE_TUNE
     options = {"echo": echo_spec, "views": spec.views, "seed": spec.seed, "pin_memory": pin_memory, "shard": shard,
-               "collate_fn": collate_fn}
+               "collate_fn": collate_fn, "drop_last": drop_last}
     tags = {"group": spec.group_key, "trial": trial if shard is None else f"{trial}@{shard.rank}"}
     shared = spec.coordinated and where.trial is not None
     if shared and where.train and not has_registry():
@@ -389,8 +393,7 @@ def _checked(loader: TrainLoader) -> TrainLoader:
 
 def _warn_unshared(why: str) -> None:
     """Warn once per process and reason that a coordinated loader prepares its own data here."""
-    if why in _WARNED:
-        return
-    _WARNED.add(why)
-    warnings.warn(f"train_loader: coordinated=True, but sharing is off: {why}. This process prepares every sample "
-                  "itself (the same bytes a shared trial starting at piece 0 reads)", stacklevel=3)
+    if why not in _WARNED:
+        _WARNED.add(why)
+        warnings.warn(f"train_loader: coordinated=True, but sharing is off: {why}. This process prepares every "
+                      "sample itself (the same bytes a shared trial starting at piece 0 reads)", stacklevel=3)
