@@ -285,7 +285,7 @@ def test_a_sweeps_trials_run_group_by_group(ray_session, small_dataset, tmp_path
 
 def _lifetime(config):
     start = time.time()
-    time.sleep(2.5)  # longer than a trial's process takes to start: trials started one after another overlap
+    time.sleep(1.0)  # long enough that trials started one after another overlap
     tune.report({"start": start, "end": time.time()})
 
 
