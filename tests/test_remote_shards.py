@@ -233,6 +233,15 @@ def _lock_is_free(path: str) -> bool:
         return True
 
 
+def _holding(url: str, downloading: threading.Event) -> tuple[threading.Thread, list]:
+    """A thread of this process that opens ``url`` (the lock's holder), once its download began; what it opened."""
+    held: list = []
+    holder = threading.Thread(target=lambda: held.append(open_source.__wrapped__(url)))
+    holder.start()
+    assert downloading.wait(timeout=30), "the holder started its download"
+    return holder, held
+
+
 def test_an_opener_waiting_for_a_hung_holder_gives_up_naming_the_lock_and_never_keeps_it(shards, node_cache,
                                                                                          tmp_path, monkeypatch):
     monkeypatch.setattr(remote, "LOCK_WAIT_S", 0.5)
@@ -247,10 +256,7 @@ def test_an_opener_waiting_for_a_hung_holder_gives_up_naming_the_lock_and_never_
     monkeypatch.setattr(remote, "_download", hanging)
     with Server("http", str(tmp_path / "http.log"), shards) as server:
         url = f"{server.url}/shard-000000.tar"
-        held: list = []
-        holder = threading.Thread(target=lambda: held.append(open_source.__wrapped__(url)))
-        holder.start()
-        assert downloading.wait(timeout=30), "the holder started its download"
+        holder, held = _holding(url, downloading)
         with pytest.raises(DatasetError, match="has been fetching it and wrote nothing for 0.5 s") as e:
             open_source.__wrapped__(url)  # waits 0.5 s for the lock, then names it
         [lock] = [os.path.join(node_cache, f) for f in os.listdir(node_cache) if f.endswith(".lock")]
@@ -283,10 +289,7 @@ def test_an_opener_waits_on_a_holder_whose_fetch_takes_longer_than_the_lock_wait
     monkeypatch.setattr(remote, "_download", slow)
     with Server("http", str(tmp_path / "http.log"), shards) as server:
         url = f"{server.url}/shard-000000.tar"
-        held: list = []
-        holder = threading.Thread(target=lambda: held.append(open_source.__wrapped__(url)))
-        holder.start()
-        assert downloading.wait(timeout=30), "the holder started its download"
+        holder, held = _holding(url, downloading)
         waited = time.monotonic()
         assert len(open_source.__wrapped__(url)) == 64, "the waiter reads the holder's copy"
         assert time.monotonic() - waited > 0.3, "it waited longer than LOCK_WAIT_S"
