@@ -9,6 +9,11 @@ Why: a trial may join at any segment start ``g0`` and take the pieces ``[g0 + k*
 as its epoch ``k`` (``C`` = chunks per epoch). The pieces before a segment start hold the same
 set of samples in every epoch, so that window holds every sample exactly once, and a joining
 trial need not wait for an epoch boundary, only for the next segment start.
+
+Where the data is read shard by shard as the epochs need it (tar shards named by a shard index),
+the split into segments follows the shards: they are taken in an order drawn from the seed, and
+each segment is a run of consecutive shards in that order, so a piece needs the few shards of its
+segment, not samples from every shard (which would fetch the whole set before the first piece).
 """
 
 from __future__ import annotations
@@ -50,9 +55,13 @@ class StreamPlan:
         seed: Seed of the partition into segments and of each epoch's shuffle.
         chunk_size: Samples per piece; only the last piece of an epoch may be smaller.
         segments: Requested join points per epoch (capped at the number of pieces).
+        shard_sizes: Samples per shard, where the dataset is read shard by shard (indices ``0 ..
+            sizes[0] - 1`` are shard 0's, and so on): segments are then runs of shards in a seeded
+            order. None: segments are drawn from a permutation of all samples.
     """
 
-    def __init__(self, sample_ids: np.ndarray, seed: int, chunk_size: int, segments: int) -> None:
+    def __init__(self, sample_ids: np.ndarray, seed: int, chunk_size: int, segments: int,
+                 shard_sizes: tuple[int, ...] | None = None) -> None:
         ids = np.sort(np.asarray(sample_ids, dtype=np.int64))
         if ids.size == 0:
             raise ValueError("StreamPlan needs at least one sample")
@@ -63,7 +72,10 @@ class StreamPlan:
         self.samples_per_epoch = int(ids.size)
         self.chunks_per_epoch = math.ceil(ids.size / chunk_size)
         self.segment_chunks = math.ceil(self.chunks_per_epoch / min(segments, self.chunks_per_epoch))
-        partition = np.random.default_rng((_ORDER_STREAM, seed)).permutation(ids)
+        if shard_sizes is None:
+            partition = np.random.default_rng((_ORDER_STREAM, seed)).permutation(ids)
+        else:
+            partition = _by_shards(ids, shard_sizes, seed)
         step = self.segment_chunks * chunk_size
         self._segments = tuple(partition[i : i + step] for i in range(0, ids.size, step))
         # Per plan (a cache on the method would keep every plan alive): pieces of one segment and
@@ -120,10 +132,24 @@ class StreamPlan:
         return order
 
 
-def stream_plan(num_samples: int, seed: int, holdout: float, chunk_size: int | None, segments: int) -> StreamPlan:
-    """The plan of a data group over a dataset of ``num_samples`` (its training split, its piece size)."""
+def _by_shards(ids: np.ndarray, shard_sizes: tuple[int, ...], seed: int) -> np.ndarray:
+    """``ids`` (sorted) grouped by shard, the shards in an order drawn from ``seed``."""
+    starts = np.cumsum([0, *shard_sizes])
+    if ids[-1] >= starts[-1]:
+        raise ValueError(f"sample {ids[-1]} lies past the {starts[-1]} samples of the shards")
+    shard = np.searchsorted(starts, ids, side="right") - 1
+    rank = np.empty(len(shard_sizes), dtype=np.int64)
+    rank[np.random.default_rng((_ORDER_STREAM, seed, len(shard_sizes))).permutation(len(shard_sizes))] = \
+        np.arange(len(shard_sizes))
+    return ids[np.argsort(rank[shard], kind="stable")]
+
+
+def stream_plan(num_samples: int, seed: int, holdout: float, chunk_size: int | None, segments: int,
+                shard_sizes: tuple[int, ...] | None = None) -> StreamPlan:
+    """The plan of a data group over a dataset of ``num_samples`` (its training split, its piece size),
+    read shard by shard if ``shard_sizes`` is given (:class:`StreamPlan`)."""
     train_ids, _ = holdout_split(num_samples, holdout)
-    return StreamPlan(train_ids, seed, piece_size(chunk_size, len(train_ids)), segments)
+    return StreamPlan(train_ids, seed, piece_size(chunk_size, len(train_ids)), segments, shard_sizes)
 
 
 def holdout_split(num_samples: int, holdout: float) -> tuple[np.ndarray, np.ndarray]:

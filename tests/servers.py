@@ -2,7 +2,8 @@
 
 ``python -m tests.servers http <folder> <log>`` serves ``folder`` over HTTP (a GET of a file named
 ``broken-*`` fails with 503, standing for a store that fails; with ``COORDPREP_SERVER_LATENCY_MS``
-set, every request is answered that many milliseconds late, standing for object storage's latency); ``python -m tests.servers
+set, every request is answered that many milliseconds late, standing for object storage's latency; with
+``COORDPREP_SERVER_MBPS`` set, the bodies of all requests share a link of that many MB/s); ``python -m tests.servers
 s3 <log>`` runs moto's S3-compatible server. Each prints its port on its first line of stdout,
 appends ``<METHOD> <path>`` to ``log`` for every request (the server-side count a test asserts on),
 and exits when its stdin closes (the test's end, or the test process dying). :class:`Server` starts
@@ -67,8 +68,21 @@ def _serve_http(folder: str, log: str):
     from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
     latency_s = float(os.environ.get("COORDPREP_SERVER_LATENCY_MS", "0")) / 1000
+    rate = float(os.environ.get("COORDPREP_SERVER_MBPS", "0")) * 1e6  # bytes/s of the link every body shares
+    link = {"free_at": time.monotonic()}
+    link_lock = threading.Lock()
 
     class Counting(SimpleHTTPRequestHandler):
+        def copyfile(self, source, outputfile):
+            if not rate:
+                return super().copyfile(source, outputfile)
+            while chunk := source.read(1 << 16):
+                with link_lock:  # this chunk's turn on the link: after every chunk sent before it
+                    done = max(time.monotonic(), link["free_at"]) + len(chunk) / rate
+                    link["free_at"] = done
+                time.sleep(max(0.0, done - time.monotonic()))  # the link's pace (a benchmark's server, not a wait on anyone)
+                outputfile.write(chunk)
+
         def send_head(self):
             _record(log, self.command, self.path)
             if latency_s:

@@ -9,6 +9,7 @@ import errno
 import fcntl
 import glob
 import os
+import pickle
 import re
 import shutil
 import textwrap
@@ -21,6 +22,7 @@ import pytest
 from coordinated_prep.convert import convert_to_tar
 from coordinated_prep.errors import DatasetError
 from coordinated_prep.pipeline.sources import open_source, photos, remote
+from coordinated_prep.pipeline.sources.shard_index import write_shard_index
 from coordinated_prep.sweep.config import load_sweep
 from coordinated_prep.sweep.runner import run_sweep
 from coordinated_prep.trial.loader import resolve_spec
@@ -97,6 +99,33 @@ def test_shards_over_http_are_fetched_once_per_node_and_read_byte_for_byte(small
         os.utime(first, (os.path.getmtime(first) + 100,) * 2)  # the shard replaced at its URL: a new version
         assert open_source.__wrapped__(url).read(0) == folder.read(0)
         assert _gets(server)["/shard-000000.tar"] == 2 and _gets(server)["/shard-000001.tar"] == 1
+
+
+def test_shards_named_by_a_shard_index_are_fetched_one_by_one_as_their_samples_are_read(small_dataset, shards,
+                                                                                        node_cache, tmp_path):
+    """A WebDataset shard index (wids JSON) gives the dataset's size and the shards' counts: opening it
+    fetches the index alone, a sample's read fetches its shard (once per node), and a shard that holds
+    another count than the index says is refused, naming both."""
+    folder = open_source.__wrapped__(small_dataset)
+    write_shard_index(os.path.join(shards, "train.json"), [f"shard-{k:06d}.tar" for k in range(3)], [64, 64, 52],
+                      classes=list(folder.classes))
+    with Server("http", str(tmp_path / "http.log"), shards) as server:
+        source = open_source.__wrapped__(f"{server.url}/train.json")
+        assert (len(source), source.shard_sizes, source.classes) == (180, (64, 64, 52), folder.classes)
+        assert _gets(server) == {"/train.json": 1}, "no shard before a sample of it is read"
+        assert source.read(70) == folder.read(70) and source.labels[70] == folder.labels[70]
+        assert _gets(server) == {"/train.json": 1, "/shard-000001.tar": 1}, "the one shard that holds it"
+        again = pickle.loads(pickle.dumps(source))  # as a prep actor gets it: its copies come from the node's cache
+        assert all(again.read(i) == folder.read(i) for i in range(180))
+        assert np.array_equal(np.asarray(again.labels), folder.labels)
+        assert _gets(server) == {"/train.json": 1, **{f"/shard-{k:06d}.tar": 1 for k in range(3)}}
+
+        write_shard_index(os.path.join(shards, "wrong.json"), [f"shard-{k:06d}.tar" for k in range(3)], [64, 60, 56])
+        wrong = open_source.__wrapped__(f"{server.url}/wrong.json")
+        assert wrong.read(0) == folder.read(0)
+        with pytest.raises(DatasetError, match=r"shard http://\S+/shard-000001\.tar holds 64 samples, its index "
+                                               r"http://\S+/wrong\.json says 60; write the index again"):
+            wrong.read(100)
 
 
 def test_a_parquet_dataset_named_by_its_manifests_url_is_fetched_once_per_node_and_read_byte_for_byte(

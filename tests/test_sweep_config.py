@@ -56,10 +56,12 @@ def test_a_good_file_parses_into_dataclasses(tmp_path):
 
 
 def test_a_dataset_in_object_storage_parses_and_a_folder_url_that_is_neither_is_named(tmp_path):
-    for url in ("s3://bucket/photos/coordprep-parquet.json", "s3://bucket/photos/shard-{000000..000063}.tar"):
+    for url in ("s3://bucket/photos/coordprep-parquet.json", "s3://bucket/photos/shard-{000000..000063}.tar",
+                "s3://bucket/photos/train.json"):  # the last a shard index (wids)
         assert load_sweep(_write(tmp_path, GOOD.replace("dataset: builtin:shapes", f"dataset: '{url}'"))).data.dataset == url
-    with pytest.raises(ConfigError, match=r"no such directory; .* or the URL of its coordprep-parquet\.json"):
-        load_sweep(_write(tmp_path, GOOD.replace("dataset: builtin:shapes", "dataset: s3://bucket/photos/parquet.json")))
+    with pytest.raises(ConfigError, match=r"no such directory; .* or the URL of its coordprep-parquet\.json.*a shard "
+                                          r"index's \.json"):
+        load_sweep(_write(tmp_path, GOOD.replace("dataset: builtin:shapes", f"dataset: {tmp_path}/none/train.json")))
 
 
 def test_a_cache_is_configured_with_units(tmp_path):

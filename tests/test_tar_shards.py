@@ -4,6 +4,7 @@ webdataset's own writer and reader, the converter, the refusals, and a shared sw
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import pickle
@@ -22,7 +23,9 @@ from coordinated_prep.convert import convert_to_tar
 from coordinated_prep.errors import ConfigError, DatasetError
 from coordinated_prep.pipeline.sources import folder_root, open_source
 from coordinated_prep.pipeline.sources.parquet import ParquetSource
+from coordinated_prep.pipeline.sources.shard_index import write_shard_index
 from coordinated_prep.pipeline.sources.tar_shards import TarShardSource
+from coordinated_prep.plan import stream_plan
 from tests.conftest import live_coordprep_actors
 from tests.harness import assert_same_unshared_batches, check_trial_records
 from tests.recording import load_records, record
@@ -145,11 +148,53 @@ def test_shards_that_break_the_layout_are_refused_naming_shard_key_and_fix(small
     assert len(open_source.__wrapped__(f"file://{tmp_path / 'j'}")) == 180, "a file:// folder of shards"
 
 
+def test_a_shard_index_reads_each_shard_when_a_sample_of_it_is_read_and_refuses_what_breaks_it(small_dataset,
+                                                                                                  tmp_path):
+    folder = open_source.__wrapped__(small_dataset)
+    out = convert_to_tar(small_dataset, str(tmp_path / "tar"), shard_size=50).out
+    names = [f"shard-{k:06d}.tar" for k in range(4)]
+    write_shard_index(str(tmp_path / "tar" / "train.json"), names, [50, 50, 50, 30])  # relative to its folder
+    source = open_source.__wrapped__(str(tmp_path / "tar" / "train.json"))
+    assert (len(source), source.shard_sizes) == (180, (50, 50, 50, 30))
+    assert source.describe(120) == f"{out}/shard-000002.tar#sample 20", "an error's description reads nothing"
+    assert source.read(120) == folder.read(120) and source.describe(120) == f"{out}/shard-000002.tar#00000120"
+    eager = open_source.__wrapped__(out)
+    assert eager.shard_sizes is None, "a folder of shards is read whole at the start, planned over its samples"
+    assert source.classes == eager.classes == ("0", "1", "2"), "without classes in the index: every shard read"
+    assert np.array_equal(np.asarray(source.labels), folder.labels) and source.labels[-1] == folder.labels[-1]
+    # A shard index names its shards by URL as well, and a base_path; the fingerprint digests the index.
+    from coordinated_prep.pipeline.sources.fingerprint import index_fingerprint
+
+    write_shard_index(str(tmp_path / "elsewhere.json"), [os.path.join(out, n) for n in names], [50, 50, 50, 30],
+                      classes=["a", "b", "c"])
+    moved = open_source.__wrapped__(str(tmp_path / "elsewhere.json"))
+    assert moved.classes == ("a", "b", "c") and moved.read(179) == folder.read(179)
+    assert index_fingerprint(moved).kind == "tar shards" and index_fingerprint(moved) != index_fingerprint(source)
+
+    def index(doc) -> str:
+        path = tmp_path / f"bad-{len(os.listdir(tmp_path))}.json"
+        path.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+        return str(path)
+
+    for doc, named in [("{not json", r"cannot be read as JSON .*widsindex create"),
+                       ({"wids_version": 1}, r"no 'shardlist' of shards"),
+                       ({"shardlist": [{"url": names[0]}]}, r"shardlist\[0\] is \{'url': .*'nsamples' \(an int >= 1\)"),
+                       ({"shardlist": [{"url": names[0], "nsamples": 0}]}, r"shardlist\[0\]"),
+                       ({"shardlist": [{"url": names[0], "nsamples": 50}], "classes": "abc"}, r"'classes' is 'abc'")]:
+        with pytest.raises(DatasetError, match=named) as e:
+            open_source.__wrapped__(index(doc))
+        assert "shard index " + str(tmp_path) in str(e.value)
+    missing = open_source.__wrapped__(index({"shardlist": [{"url": "gone.tar", "nsamples": 5}]}))
+    with pytest.raises(DatasetError, match=r"shard \S+gone\.tar, listed in the shard index \S+\.json, does not exist"):
+        missing.read(0)
+
+
 def test_a_sweep_over_tar_shards_shares_exact_epochs(ray_session, small_dataset, tmp_path, warm_pool):
+    """Named by a shard index, so read shard by shard: the pieces come from the plan that takes the
+    shards in a seeded order (a folder or pattern of shards: tests/test_remote_shards.py's sweeps)."""
     out = convert_to_tar(small_dataset, str(tmp_path / "tar"), shard_size=40).out
-    spec = DataSpec(dataset=str(tmp_path / "tar" / "shard-{000000..000004}.tar"), pipeline={"size": 32},
-                    seed=3, chunk_size=8, segments=3)
-    assert open_source(spec.dataset).shards == tuple(os.path.join(out, f"shard-{k:06d}.tar") for k in range(5))
+    write_shard_index(os.path.join(out, "train.json"), [f"shard-{k:06d}.tar" for k in range(5)], [40] * 4 + [20])
+    spec = DataSpec(dataset=os.path.join(out, "train.json"), pipeline={"size": 32}, seed=3, chunk_size=8, segments=3)
     searcher = CoordinatedSearcher(pool=warm_pool)
     analysis = tune.run(tune.with_resources(record, {"cpu": 0.25}), search_alg=searcher, verbose=0,
                         config={"data": spec, "batch_size": tune.grid_search([8, 12]), "epochs": 2,
@@ -162,6 +207,11 @@ def test_a_sweep_over_tar_shards_shares_exact_epochs(ray_session, small_dataset,
         check_trial_records(spec, records[trial.trial_id], trial.config["batch_size"], trial.trial_id)
     [group] = reports.values()
     assert group["samples_served"] > group["samples_prepared"], group  # the two trials shared pieces
+    plan = stream_plan(180, spec.seed, spec.holdout, spec.chunk_size, spec.segments, (40, 40, 40, 40, 20))
+    pieces = {frozenset(plan.chunk_samples(g).tolist()) for g in range(3 * plan.chunks_per_epoch)}
+    [eights] = [records[t.trial_id] for t in analysis.trials if t.config["batch_size"] == 8]
+    assert all(frozenset(e["indices"][lo: lo + 8].tolist()) in pieces for e in eights
+               for lo in range(0, len(e["indices"]), 8)), "each batch of 8 is a piece of the plan over shards"
     assert live_coordprep_actors() == []
 
 

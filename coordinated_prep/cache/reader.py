@@ -42,7 +42,7 @@ class CachedSource:
 
     def __init__(self, source: DataSource, dataset: str, layout: CacheLayout, spec: CacheSpec) -> None:
         self._source = source
-        self.root, self.classes, self.labels = source.root, source.classes, source.labels
+        self.root, self.labels = source.root, source.labels
         self._dataset = dataset
         self._layout = layout
         self._timeout = float(spec.timeout_s)
@@ -55,6 +55,16 @@ class CachedSource:
         self._lost: set[int] = set()
         self.storage_reads = 0
         self.cache_hits = 0
+
+    @property
+    def shard_sizes(self) -> tuple[int, ...] | None:
+        """The source's (:func:`~coordinated_prep.pipeline.transforms.shard_sizes`)."""
+        return getattr(self._source, "shard_sizes", None)
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        """The source's (asked only where needed: a shard index may have to read every shard for them)."""
+        return self._source.classes
 
     def __len__(self) -> int:
         return len(self._source)

@@ -19,7 +19,7 @@ from coordinated_prep.errors import ConfigError, SampleError, StructureError
 from coordinated_prep.pipeline.chunk import image_layout
 from coordinated_prep.pipeline.seeding import preserved, reseed
 from coordinated_prep.pipeline.structure import Layout, flatten, make_layout, to_array
-from coordinated_prep.pipeline.transforms import ImagePipeline, Pipeline
+from coordinated_prep.pipeline.transforms import ImagePipeline, Pipeline, shard_sizes
 
 PROBED = 8  # samples prepared at a group's start (twice each for a pipeline of the user's)
 
@@ -29,6 +29,7 @@ class Probe(NamedTuple):
 
     layout: Layout
     sample_bytes: int
+    shard_sizes: tuple[int, ...] | None = None  # where the source reads shards as needed (pipeline.transforms.shard_sizes)
 
 
 def probe(pipeline: Pipeline, seed: int, indices: Sequence[int], ragged: Sequence[str], views: int = 1,
@@ -40,12 +41,13 @@ def probe(pipeline: Pipeline, seed: int, indices: Sequence[int], ragged: Sequenc
         StructureError: The samples differ in structure, or hold a leaf no batch can.
         SampleError: None of the first samples could be read or prepared (the first error).
     """
+    shards = shard_sizes(pipeline)
     if isinstance(pipeline, ImagePipeline):  # its layout is known: reading samples would only cost reads
         layout = image_layout((3, pipeline.size, pipeline.size))
-        return Probe(layout, views * layout.sample_bytes())
+        return Probe(layout, views * layout.sample_bytes(), shards)
     ids = [int(i) for i in indices[:PROBED]]
     if not ids and mode == "eval":  # nothing held out: no piece will need a layout
-        return Probe(image_layout((0,)), 1)
+        return Probe(image_layout((0,)), 1, shards)
     first = _prepared(pipeline, seed, ids, mode)
     if not first:
         raise ConfigError(f"{where}: no samples to probe (empty {'training' if mode == 'train' else 'held-out'} split)")
@@ -66,7 +68,7 @@ def probe(pipeline: Pipeline, seed: int, indices: Sequence[int], ragged: Sequenc
                 "transforms.v2 does")
     samples = [s for _, s in first if not isinstance(s, SampleError)]
     layout = make_layout(samples, ragged, where)
-    return Probe(layout, views * layout.sample_bytes(samples))
+    return Probe(layout, views * layout.sample_bytes(samples), shards)
 
 
 def _prepared(pipeline: Pipeline, seed: int, ids: list[int], mode: str) -> list[tuple[int, Any]]:

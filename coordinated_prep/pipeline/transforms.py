@@ -243,6 +243,13 @@ class Joint:
         return (inputs, target) if isinstance(sample, tuple) else [inputs, target]
 
 
+def shard_sizes(pipeline: Pipeline) -> tuple[int, ...] | None:
+    """Samples per shard where the pipeline's source reads its shards as the epochs need them (tar
+    shards named by a shard index: the stream plan then follows the shards); None otherwise."""
+    source = getattr(pipeline, "source", None) or getattr(getattr(pipeline, "dataset", None), "source", None)
+    return getattr(source, "shard_sizes", None)
+
+
 def make_pipeline(spec: Any, source: Any = None) -> Pipeline:
     """The pipeline of a DataSpec, built in this process.
 

@@ -106,7 +106,7 @@ class Coordinator(Producer):
             samples, found = len(pipeline), probe(pipeline, spec.seed, [0], spec.ragged, spec.views)
         self.layout = found.layout
         self.box = [ray.put(spec)]  # owned here: each prep actor fetches the spec (and its dataset) once
-        self.plan = stream_plan(samples, spec.seed, spec.holdout, spec.chunk_size, spec.segments)
+        self.plan = stream_plan(samples, spec.seed, spec.holdout, spec.chunk_size, spec.segments, found.shard_sizes)
         self.dataset_samples = samples  # a trial reading a part of the split finds it from this (pipeline/part.py)
         node_id = ray.get_runtime_context().get_node_id()
         n_actors = len(actors)

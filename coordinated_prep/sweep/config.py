@@ -234,17 +234,19 @@ def _check_dataset(dataset: str, name: str = "data.dataset") -> None:
     from coordinated_prep.pipeline.sources import BUILTIN_DATASETS, PARQUET_MANIFEST
     from coordinated_prep.pipeline.sources.remote import is_url
     from coordinated_prep.pipeline.sources.remote_folder import is_remote_folder
+    from coordinated_prep.pipeline.sources.shard_index import is_shard_index
     from coordinated_prep.pipeline.sources.tar_shards import is_tar_dataset
 
     if dataset.startswith("builtin:"):
         if dataset not in BUILTIN_DATASETS:
             raise ConfigError(f"{name}={dataset!r} is not a builtin dataset; choose one of {list(BUILTIN_DATASETS)}")
     elif not os.path.isdir(dataset) and not is_tar_dataset(dataset) and not is_remote_folder(dataset) and not (
-            is_url(dataset) and dataset.endswith("/" + PARQUET_MANIFEST)):
+            is_url(dataset) and dataset.endswith("/" + PARQUET_MANIFEST)) and not (
+            is_shard_index(dataset) and (is_url(dataset) or os.path.isfile(dataset))):
         raise ConfigError(f"{name}={dataset!r}: no such directory; give an ImageFolder root (local or a URL), a "
                           f"Parquet dataset directory (coordprep convert) or the URL of its {PARQUET_MANIFEST}, WebDataset "
-                          "tar shards (a folder of *.tar, a .tar file or a pattern such as 'shards-{0000..0063}.tar', "
-                          f"local or a URL) or one of {list(BUILTIN_DATASETS)}")
+                          "tar shards (a folder of *.tar, a .tar file, a pattern such as 'shards-{0000..0063}.tar' or "
+                          f"a shard index's .json, local or a URL) or one of {list(BUILTIN_DATASETS)}")
 
 
 def _check_trainable_keys(space: Mapping[str, Any], trainable: str, scheduler: SchedulerSpec) -> None:

@@ -16,7 +16,7 @@ from coordinated_prep.pipeline.chunk import PreparedChunk, prepare_chunk
 from coordinated_prep.pipeline.part import part_fields, prepared_plan
 from coordinated_prep.pipeline.probe import probe, train_indices
 from coordinated_prep.pipeline.seeding import in_process
-from coordinated_prep.pipeline.transforms import make_pipeline
+from coordinated_prep.pipeline.transforms import make_pipeline, shard_sizes
 from coordinated_prep.trial.calls import fetch, find_registry
 from coordinated_prep.trial.workers import WorkerPieces
 from coordinated_prep.errors import PrepError
@@ -87,7 +87,8 @@ class PrivateStream:
         self._pipeline = make_pipeline(spec)
         n = len(self._pipeline)
         self._layout = probe(self._pipeline, spec.seed, train_indices(n, spec.holdout), spec.ragged, spec.views).layout
-        self._plan = stream_plan(n, spec.seed, spec.holdout, spec.chunk_size, spec.segments)
+        self._plan = stream_plan(n, spec.seed, spec.holdout, spec.chunk_size, spec.segments,
+                                 shard_sizes(self._pipeline))
         self._prepared = prepared_plan(self._plan, spec, n)  # a trial reading a part prepares only its samples
         self._workers = WorkerPieces(spec, self._prepared, self._layout, workers, prefetch) if workers > 0 else None
         self.dataset_samples = n
@@ -250,7 +251,9 @@ class SharedStream:
             self._plan = self._fallback._plan  # the same plan, built already
         if self._plan is None:
             spec = self._spec
-            plan = stream_plan(len(make_pipeline(spec)), spec.seed, spec.holdout, spec.chunk_size, spec.segments)
+            pipeline = make_pipeline(spec)
+            plan = stream_plan(len(pipeline), spec.seed, spec.holdout, spec.chunk_size, spec.segments,
+                               shard_sizes(pipeline))
             if (plan.samples_per_epoch, plan.chunk_size) != (self.samples_per_epoch, self.chunk_size):
                 raise PrepError(f"trial {self._trial}: the dataset here has {plan.samples_per_epoch} training samples "
                                 f"in pieces of {plan.chunk_size}, its data group's {self.samples_per_epoch} in "

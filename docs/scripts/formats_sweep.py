@@ -9,7 +9,9 @@ start and close (the pool's start included). Local runs follow an eviction of th
 the page cache. Remote runs read the tar shards, and the Parquet dataset by its manifest's URL, from
 ``tests/servers.py``'s HTTP server on loopback, which answers every request ``--latency-ms`` late and
 counts them; the node's shard cache is emptied before each run. Raw files are read from the same
-server as an ImageFolder URL: one GET per file and node (``pipeline/sources/remote_folder.py``).
+server as an ImageFolder URL: one GET per file and node (``pipeline/sources/remote_folder.py``). The
+format ``tar shard index`` is the same shards named by a shard index (``tar/train.json``), so read
+shard by shard as the epoch needs them (``pipeline/sources/shard_index.py``).
 
     PYTHONPATH=. .venv/bin/python docs/scripts/formats_sweep.py --trials 1 8 --latency-ms 10 50
 """
@@ -64,8 +66,10 @@ def main() -> None:
     parser.add_argument("--trials", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--latency-ms", type=float, nargs="+", default=[10, 50])
     parser.add_argument("--remote-only", action="store_true", help="skip the runs from local disk")
+    parser.add_argument("--mbps", type=float, default=0, help="the server's link in MB/s, shared by every request "
+                        "(default: unlimited, loopback)")
     parser.add_argument("--formats", nargs="+", default=["raw files", "tar shards", "Parquet"],
-                        help="the remote runs' formats (default: all three)")
+                        help="the remote runs' formats (default: these three; 'tar shard index' as well)")
     args = parser.parse_args()
     os.environ.setdefault("COORDPREP_CACHE", tempfile.mkdtemp(prefix="formats-bench-"))
     import ray
@@ -75,6 +79,8 @@ def main() -> None:
     from coordinated_prep.convert.tar import convert_to_tar
     from coordinated_prep.pipeline.sources import folder_root
     from coordinated_prep.pipeline.sources.remote import shard_cache_dir
+    from coordinated_prep.pipeline.sources.shard_index import write_shard_index
+    from coordinated_prep.pipeline.sources.tar_shards import TarShardSource
     from tests.servers import Server
 
     work = tempfile.mkdtemp(prefix="formats-")
@@ -84,6 +90,8 @@ def main() -> None:
     shards = sorted(glob.glob(os.path.join(tar, "*.tar")))
     os.symlink(photos, os.path.join(work, "raw"))  # served as an ImageFolder URL
     pattern = "shard-{%s..%s}.tar" % (os.path.basename(shards[0])[6:12], os.path.basename(shards[-1])[6:12])
+    counts = [len(TarShardSource(path)) for path in shards]
+    write_shard_index(os.path.join(tar, "train.json"), [os.path.basename(p) for p in shards], counts)
     local = {"raw files": (photos, glob.glob(os.path.join(photos, "*", "*"))),
              "Parquet": (parquet, glob.glob(os.path.join(parquet, "*"))),
              "tar shards": (os.path.join(tar, pattern), shards)}
@@ -100,9 +108,12 @@ def main() -> None:
                   f"{r['first_batch_s'][0]:.1f} s, {r['first_batch_s'][1]:.1f} s | - | - |", flush=True)
         for latency in args.latency_ms:
             os.environ["COORDPREP_SERVER_LATENCY_MS"] = str(latency)
-            remote = {"raw files": "raw/", "tar shards": f"tar/{pattern}", "Parquet": "parquet/coordprep-parquet.json"}
+            os.environ["COORDPREP_SERVER_MBPS"] = str(args.mbps)
+            link = f", {args.mbps:g} MB/s" if args.mbps else ""
+            remote = {"raw files": "raw/", "tar shards": f"tar/{pattern}", "tar shard index": "tar/train.json",
+                      "Parquet": "parquet/coordprep-parquet.json"}
             for name, path in ((n, p) for n, p in remote.items() if n in args.formats):
-                log = os.path.join(work, f"requests-{n}-{latency:g}-{name[:3]}")
+                log = os.path.join(work, f"requests-{n}-{latency:g}-{name.replace(' ', '-')}")
                 with Server("http", log, work) as server:
                     shutil.rmtree(shard_cache_dir(), ignore_errors=True)
                     r = run(f"{server.url}/{path}", n)
@@ -110,7 +121,7 @@ def main() -> None:
                 gets = [p for (method, p), k in asked.items() for _ in range(k) if method == "GET"]
                 files = [os.path.join(work, p.lstrip("/")) for p in gets]
                 fetched = sum(os.path.getsize(f) for f in files if os.path.isfile(f)) / 2**20  # listings apart
-                print(f"| {name} | HTTP, {latency:g} ms a request | {n} | {r['wall_s']:.1f} s | "
+                print(f"| {name} | HTTP, {latency:g} ms a request{link} | {n} | {r['wall_s']:.1f} s | "
                       f"{r['samples_per_s']:,.0f} | {r['first_batch_s'][0]:.1f} s, {r['first_batch_s'][1]:.1f} s | "
                       f"{sum(asked.values())} ({len(gets)} GET) | {fetched:.0f} |", flush=True)
     ray.shutdown()

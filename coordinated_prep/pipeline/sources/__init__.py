@@ -12,6 +12,7 @@ from coordinated_prep.pipeline.sources.imagefolder import ImageFolderSource
 from coordinated_prep.pipeline.sources.remote import is_url
 from coordinated_prep.pipeline.sources.remote_folder import is_remote_folder
 from coordinated_prep.pipeline.sources.shapes import ensure_shapes
+from coordinated_prep.pipeline.sources.shard_index import is_shard_index
 from coordinated_prep.pipeline.sources.tar_shards import is_tar_dataset
 
 BUILTIN_DATASETS = ("builtin:shapes", "builtin:shapes-large", "builtin:photos")
@@ -32,7 +33,9 @@ def open_source(dataset: str) -> DataSource:
     (``s3://bucket/photos/coordprep-parquet.json``: the dataset is fetched once per node,
     :func:`~coordinated_prep.pipeline.sources.remote.fetched_parquet`); WebDataset tar shards (a brace
     pattern such as ``shards-{0000..0063}.tar``, a ``.tar`` file, or a directory of ``*.tar`` with no
-    subdirectory) are a :class:`~coordinated_prep.pipeline.sources.tar_shards.TarShardSource`; a
+    subdirectory) are a :class:`~coordinated_prep.pipeline.sources.tar_shards.TarShardSource`, and so
+    is a shard index (a ``.json`` path or URL, WebDataset's ``wids`` format), whose shards are read as
+    the epochs need them (:mod:`~coordinated_prep.pipeline.sources.shard_index`); a
     folder's URL is read as tar shards if ``*.tar`` lie at its top, else as an ImageFolder of raw files
     fetched once per node (:mod:`~coordinated_prep.pipeline.sources.remote_folder`); any other
     directory is read as an ImageFolder. In a process of a coordinated sweep, an ImageFolder's index comes from the
@@ -55,6 +58,10 @@ def open_source(dataset: str) -> DataSource:
         from coordinated_prep.pipeline.sources.remote import fetched_parquet
 
         source: DataSource = ParquetSource(fetched_parquet(dataset), origin=dataset.rsplit("/", 1)[0])
+    elif is_shard_index(dataset):  # tar shards, each read when an epoch first needs it
+        from coordinated_prep.pipeline.sources.tar_shards import TarShardSource
+
+        source = TarShardSource(dataset)
     elif is_remote_folder(dataset):  # tar shards or an ImageFolder, as its listing says
         from coordinated_prep.pipeline.sources.remote_folder import open_remote_folder
 

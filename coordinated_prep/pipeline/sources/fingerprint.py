@@ -13,6 +13,9 @@ What is digested, per kind of source (never the image bytes: the check must stay
   size, and the labels column;
 - ``builtin:`` datasets: their name and size (they are generated deterministically on each node,
   and their files may differ by a byte between image library versions without mattering);
+- tar shards named by a shard index: the index's shards (URL, samples) and classes, if it names
+  them (reading the shards for their labels would fetch every one, which the index is there to
+  avoid; each shard is checked against its count when it is read);
 - any other source: its length, classes and labels.
 """
 
@@ -34,7 +37,7 @@ class Fingerprint:
 
     Attributes:
         digest: SHA-256 (hex) of the index, as the module docstring lists per kind of source.
-        kind: ``imagefolder``, ``parquet``, ``builtin`` or ``other``.
+        kind: ``imagefolder``, ``parquet``, ``builtin``, ``tar shards`` (a shard index) or ``other``.
         samples: Samples indexed.
         classes: Classes indexed.
         total_bytes: Sum of the sizes digested (files, or shards); 0 where no size is read.
@@ -65,6 +68,12 @@ def index_fingerprint(source: DataSource, dataset: str | None = None) -> Fingerp
     from coordinated_prep.pipeline.sources.imagefolder import ImageFolderSource
 
     h = hashlib.sha256()
+    index = getattr(source, "index", None)
+    if index is not None and hasattr(index, "counts"):  # a ShardIndex (its shards are read as needed)
+        _add(h, "shard index", *(index.classes or ()))
+        for url, n in zip(index.urls, index.counts):
+            _add(h, url, str(n))
+        return Fingerprint(h.hexdigest(), "tar shards", len(source), len(index.classes or ()), 0)
     classes = tuple(source.classes)
     _add(h, "classes", *classes)
     if dataset is not None and dataset.startswith("builtin:"):

@@ -26,15 +26,20 @@ the source can be built, pickled or inherited by a forked worker anywhere cheapl
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import re
 import tarfile
-from typing import Sequence
+import threading
+from typing import Iterable, Sequence
 
 import numpy as np
 
 from coordinated_prep.errors import DatasetError, SampleError
 from coordinated_prep.pipeline.sources.remote import fetched, is_url, list_shards
+from coordinated_prep.pipeline.sources.shard_index import ShardIndex, is_shard_index, read_shard_index
+
+logger = logging.getLogger(__name__)
 
 #: Extensions of a sample's image member, in the order a sample's members are looked at.
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff")
@@ -105,7 +110,7 @@ class TarShardSource:
     """The samples of WebDataset tar shards (see the module docstring).
 
     Args:
-        dataset: A directory of shards, one shard, or a brace pattern.
+        dataset: A directory of shards, one shard, a brace pattern, or a shard index's path or URL.
         names: Its shards (their URLs), where they were listed already (a sweep's listing of a folder
             URL); None: listed here.
 
@@ -117,36 +122,53 @@ class TarShardSource:
     def __init__(self, dataset: str, names: Sequence[str] | None = None) -> None:
         dataset = local_path(dataset)
         remote = is_url(dataset)
-        self.root = dataset if is_tar_pattern(dataset) or remote else os.path.abspath(os.path.expanduser(dataset))
+        self.index: ShardIndex | None = read_shard_index(dataset) if is_shard_index(dataset) else None
+        self.root = dataset if is_tar_pattern(dataset) or remote or self.index else os.path.abspath(
+            os.path.expanduser(dataset))
+        if self.index is not None:  # read as the epochs need them (the module docstring)
+            self.urls: tuple[str, ...] = self.index.urls
+            self._shards = _LazyShards(self.index)
+            self.labels = _LazyLabels(self._shards)
+            self._classes = self.index.classes
+            return
         # what errors name: paths, or the URLs
-        self.urls: tuple[str, ...] = tuple(shard_names(dataset) if names is None else names)
-        self.shards: tuple[str, ...] = tuple(fetched(self.urls)) if remote else self.urls  # local paths
-        shard, offsets, sizes, labels, keys = [], [], [], [], []
-        for s, (path, name) in enumerate(zip(self.shards, self.urls)):
-            for key, (offset, size), label in _index_shard(path, name):
-                shard.append(s)
-                offsets.append(offset)
-                sizes.append(size)
-                labels.append(label)
-                keys.append(key)
-        self._shard = np.asarray(shard, dtype=np.int32)
-        self._offset = np.asarray(offsets, dtype=np.int64)
-        self._size = np.asarray(sizes, dtype=np.int64)
-        self._keys: tuple[str, ...] = tuple(keys)
-        self.labels = np.asarray(labels, dtype=np.int64)
-        self.classes: tuple[str, ...] = tuple(str(c) for c in range(int(self.labels.max()) + 1 if len(labels) else 0))
+        self.urls = tuple(shard_names(dataset) if names is None else names)
+        paths = tuple(fetched(self.urls)) if remote else self.urls  # local paths
+        self._shards = _Shards(paths, self.urls)
+        self.labels = np.concatenate([s.labels for s in self._shards.loaded]) if paths else np.zeros(0, np.int64)
+        self._classes = _classes(self.labels)
+
+    @property
+    def shards(self) -> tuple[str, ...]:
+        """Each shard's local path (of its copy in the node's shard cache, for a URL): fetched first if missing."""
+        return tuple(self._shards.shard(s).path for s in range(len(self.urls)))
+
+    @property
+    def shard_sizes(self) -> tuple[int, ...] | None:
+        """Samples per shard where the shards are read as the epochs need them (a shard index): the
+        stream plan then takes shards in a seeded order (:class:`~coordinated_prep.plan.StreamPlan`);
+        None where every shard is read at the start."""
+        return None if self.index is None else self.index.counts
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        """The class names: ``0``, ``1``, ... up to the largest label, unless a shard index names them
+        (one that does not: known once every shard was read, which asking here does)."""
+        if self._classes is None:
+            logger.info("%s names no classes: reading its %d shards for their labels", self.root, len(self.urls))
+            self._classes = _classes(np.asarray(self.labels))
+        return self._classes
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return self._shards.total
 
     def read(self, index: int) -> bytes:
         """The image bytes of sample ``index`` (one positioned read)."""
-        i = self._locate(index)
-        path = self.shards[int(self._shard[i])]
-        size = int(self._size[i])
+        shard, j = self._locate(index)
+        size = int(shard.sizes[j])
         try:
-            with open(path, "rb") as f:
-                data = os.pread(f.fileno(), size, int(self._offset[i]))
+            with open(shard.path, "rb") as f:
+                data = os.pread(f.fileno(), size, int(shard.offsets[j]))
         except OSError as e:
             raise SampleError(index, self.describe(index), f"cannot read the shard: {e}") from e
         if len(data) != size:
@@ -155,7 +177,9 @@ class TarShardSource:
         return data
 
     def read_many(self, indices: Sequence[int]) -> list[bytes | SampleError]:
-        """Per index, its image bytes or the SampleError reading it raised."""
+        """Per index, its image bytes or the SampleError reading it raised (a piece's shards that
+        are not here yet fetched together first, as at a folder's start)."""
+        self._shards.ensure(self._shards.find(self._checked(int(i)))[0] for i in indices)
         found: list[bytes | SampleError] = []
         for i in indices:
             try:
@@ -166,15 +190,141 @@ class TarShardSource:
 
     def describe(self, index: int) -> str:
         """``<shard path>#<key>`` of sample ``index``."""
-        i = self._locate(index)
-        return f"{self.urls[int(self._shard[i])]}#{self._keys[i]}"
+        s, j = self._shards.find(self._checked(index))
+        key = self._shards.key(s, j)
+        return f"{self.urls[s]}#{key}"
 
-    def _locate(self, index: int) -> int:
+    def _checked(self, index: int) -> int:
         n = len(self)
         i = index + n if index < 0 else index  # negative indices count from the end, as for ImageFolderSource
         if not 0 <= i < n:
             raise IndexError(f"sample index {index} out of range for the {n} samples of {self.root}")
         return i
+
+    def _locate(self, index: int) -> tuple["_Shard", int]:
+        s, j = self._shards.find(self._checked(index))
+        return self._shards.shard(s), j
+
+
+def _classes(labels: np.ndarray) -> tuple[str, ...]:
+    return tuple(str(c) for c in range(int(labels.max()) + 1 if len(labels) else 0))
+
+
+class _Shard:
+    """One shard's local copy and, per sample in order, its image's offset and size, key and label."""
+
+    def __init__(self, path: str, name: str) -> None:
+        found = _index_shard(path, name)
+        self.path = path
+        self.offsets = np.asarray([f[1][0] for f in found], dtype=np.int64)
+        self.sizes = np.asarray([f[1][1] for f in found], dtype=np.int64)
+        self.keys = tuple(f[0] for f in found)
+        self.labels = np.asarray([f[2] for f in found], dtype=np.int64)
+
+
+class _Shards:
+    """Every shard, indexed at the start (a folder, a pattern, a listed URL)."""
+
+    def __init__(self, paths: Sequence[str], names: Sequence[str]) -> None:
+        self.loaded = [_Shard(path, name) for path, name in zip(paths, names)]
+        self._starts = np.cumsum([0] + [len(s.keys) for s in self.loaded])
+        self.total = int(self._starts[-1])
+
+    def find(self, i: int) -> tuple[int, int]:
+        s = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return s, i - int(self._starts[s])
+
+    def shard(self, s: int) -> _Shard:
+        return self.loaded[s]
+
+    def ensure(self, shards: Iterable[int]) -> None:
+        """Have these shards here (all are, at the start)."""
+
+    def key(self, s: int, j: int) -> str:
+        return self.shard(s).keys[j]
+
+
+class _LazyShards(_Shards):
+    """The shards of an index: each fetched (a URL) and indexed on its first read in this process, and
+    checked against the index's count. Not pickled: every process reads its own (the node's copies)."""
+
+    def __init__(self, index: ShardIndex) -> None:
+        self.index = index
+        self._starts = np.cumsum([0, *index.counts])
+        self.total = int(self._starts[-1])
+        self.loaded = {}
+        self._lock = threading.Lock()
+        self._behind: threading.Thread | None = None
+
+    def __getstate__(self) -> dict:
+        return {"index": self.index, "_starts": self._starts, "total": self.total}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, loaded={}, _lock=threading.Lock(), _behind=None)
+
+    def shard(self, s: int) -> _Shard:
+        found = self.loaded.get(s)
+        if found is not None:
+            return found
+        with self._lock:  # a prep actor's threads read one piece's samples together
+            if s not in self.loaded:
+                url = self.index.urls[s]
+                path = fetched([url])[0] if is_url(url) else local_path(url)
+                if not os.path.isfile(path):
+                    raise DatasetError(f"shard {url}, listed in the shard index {self.index.origin}, does not exist; "
+                                       "fix its url in the index (relative to the index's folder or base_path)")
+                shard = _Shard(path, url)
+                if len(shard.keys) != self.index.counts[s]:
+                    raise DatasetError(f"shard {url} holds {len(shard.keys)} samples, its index {self.index.origin} "
+                                       f"says {self.index.counts[s]}; write the index again (widsindex create) "
+                                       "after the shards changed")
+                self.loaded[s] = shard
+        return self.loaded[s]
+
+    def ensure(self, shards: Iterable[int]) -> None:
+        """Fetch the missing ones of ``shards`` together, as a folder's are at its start.
+
+        Raises:
+            DatasetError: A shard could not be fetched (:func:`~coordinated_prep.pipeline.sources.remote.fetched`).
+        """
+        remote = [self.index.urls[s] for s in sorted(set(shards)) if s not in self.loaded and is_url(self.index.urls[s])]
+        if len(remote) > 1:  # one is fetched by its first read
+            fetched(remote)
+        if remote and self._behind is None:  # the first piece's shards are here: the others follow behind
+            self._behind = threading.Thread(target=self._fetch_behind, name="coordprep-shards-behind", daemon=True)
+            self._behind.start()
+
+    def _fetch_behind(self) -> None:
+        """Every shard of the index into the node's shard cache, in the background of this process (a
+        daemon thread: a read that needs a shard first fetches it itself, or waits on its lock)."""
+        try:
+            fetched([u for u in self.index.urls if is_url(u)])
+        except Exception as e:  # each shard's own read raises its error, naming it
+            logger.info("fetching the shards of %s behind the reads stopped: %r", self.index.origin, e)
+
+    def key(self, s: int, j: int) -> str:
+        found = self.loaded.get(s)  # an error's description must not fetch the shard it names
+        return found.keys[j] if found is not None else f"sample {j}"
+
+
+class _LazyLabels:
+    """The labels of a shard index's samples, each read with its shard (``np.asarray``: every shard)."""
+
+    def __init__(self, shards: _LazyShards) -> None:
+        self._shards = shards
+
+    def __len__(self) -> int:
+        return self._shards.total
+
+    def __getitem__(self, index):
+        if isinstance(index, (int, np.integer)):
+            s, j = self._shards.find(int(index) + (len(self) if index < 0 else 0))
+            return self._shards.shard(s).labels[j]
+        return np.asarray(self)[index]
+
+    def __array__(self, dtype=None, copy=None):
+        every = np.concatenate([self._shards.shard(s).labels for s in range(len(self._shards.index.counts))])
+        return every if dtype is None else every.astype(dtype)
 
 
 def _index_shard(path: str, name: str) -> list[tuple[str, tuple[int, int], int]]:

@@ -1,0 +1,129 @@
+"""A shard index: WebDataset's ``wids`` JSON, which lists tar shards with their sample counts.
+
+A dataset named by its index (``dataset: s3://bucket/train.json``, or a local path) is read shard by
+shard as the epochs need them: the sweep plans every epoch from the counts alone, so no shard is
+fetched before a piece holds one of its samples (:class:`~coordinated_prep.pipeline.sources.tar_shards.TarShardSource`).
+The format is the one ``widsindex create`` writes::
+
+    {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": "train",
+     "shardlist": [{"url": "train-0000.tar", "nsamples": 1000, "filesize": 123456}, ...]}
+
+A shard's ``url`` is resolved against ``base_path`` if the index has one, else against the index's
+own folder (as ``wids`` does). Besides ``url`` and ``nsamples``, nothing is required. One key is
+this project's own and optional: ``classes``, the class names in label order; without it, the
+classes are known only once every shard was read (a trainable asking for them then waits for that).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+from dataclasses import dataclass
+
+from coordinated_prep.errors import DatasetError
+from coordinated_prep.pipeline.sources.remote import is_url
+
+_FIX = ("write it as `widsindex create` does: {\"wids_version\": 1, \"shardlist\": [{\"url\": \"train-0000.tar\", "
+        "\"nsamples\": 1000}, ...]}")
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """The shards an index lists, in sample order.
+
+    Attributes:
+        origin: The index's path or URL (what errors name).
+        urls: Each shard's path or URL, resolved.
+        counts: Each shard's number of samples.
+        classes: The class names in label order, where the index names them; None otherwise.
+    """
+
+    origin: str
+    urls: tuple[str, ...]
+    counts: tuple[int, ...]
+    classes: tuple[str, ...] | None
+
+
+def is_shard_index(dataset: str) -> bool:
+    """Whether ``dataset`` names a shard index: a ``.json`` path or URL (a Parquet manifest excepted)."""
+    from coordinated_prep.pipeline.sources import PARQUET_MANIFEST
+
+    return dataset.endswith(".json") and not dataset.endswith(PARQUET_MANIFEST)
+
+
+def read_shard_index(dataset: str) -> ShardIndex:
+    """Read and check the index ``dataset`` names (a local path or a URL, read whole: it is small).
+
+    Raises:
+        DatasetError: It cannot be read, is not JSON, or lacks a shard list of ``url`` and ``nsamples``
+            entries (naming the index, the entry and the key, with the fix).
+    """
+    origin = dataset.removeprefix("file://")
+    try:
+        if is_url(origin):
+            from coordinated_prep.pipeline.sources.remote import _filesystem
+
+            fs, path = _filesystem(origin)
+            with fs.open(path, "rb") as f:
+                text = f.read()
+        else:
+            with open(os.path.expanduser(origin), "rb") as f:
+                text = f.read()
+        doc = json.loads(text)
+    except (OSError, ValueError) as e:
+        raise DatasetError(f"shard index {dataset}: cannot be read as JSON ({e}); {_FIX}") from e
+    except DatasetError:
+        raise
+    except Exception as e:  # each filesystem raises its own errors (permissions, the network)
+        raise DatasetError(f"shard index {dataset}: cannot be read ({e!r}); check the URL and the credentials") from e
+    shards = doc.get("shardlist") if isinstance(doc, dict) else None
+    if not isinstance(shards, list) or not shards:
+        raise DatasetError(f"shard index {dataset}: no 'shardlist' of shards; {_FIX}")
+    base = doc.get("base_path") or _folder(origin)
+    if not isinstance(base, str):
+        raise DatasetError(f"shard index {dataset}: 'base_path' is {base!r}, not a path or URL")
+    urls, counts = [], []
+    for k, entry in enumerate(shards):
+        url = entry.get("url") if isinstance(entry, dict) else None
+        n = entry.get("nsamples") if isinstance(entry, dict) else None
+        if not isinstance(url, str) or not url or isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise DatasetError(f"shard index {dataset}: shardlist[{k}] is {entry!r}; each shard needs a 'url' and its "
+                               "'nsamples' (an int >= 1)")
+        urls.append(_resolve(base, url))
+        counts.append(n)
+    classes = doc.get("classes")
+    if classes is not None and (not isinstance(classes, list) or not classes
+                                or not all(isinstance(c, (str, int)) for c in classes)):
+        raise DatasetError(f"shard index {dataset}: 'classes' is {classes!r}; it lists the class names in label order "
+                           "(or leave it out)")
+    return ShardIndex(dataset, tuple(urls), tuple(counts), None if classes is None else tuple(map(str, classes)))
+
+
+def write_shard_index(path: str, urls: list[str], counts: list[int], classes: list[str] | None = None,
+                      name: str | None = None) -> None:
+    """Write a ``wids`` index at ``path`` (``urls`` relative to its folder, or absolute), atomically."""
+    doc: dict = {"__kind__": "wids-shard-index-v1", "wids_version": 1,
+                 "name": name or os.path.splitext(os.path.basename(path))[0],
+                 "shardlist": [{"url": u, "nsamples": int(n)} for u, n in zip(urls, counts)]}
+    if classes is not None:
+        doc["classes"] = list(classes)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _folder(origin: str) -> str:
+    if is_url(origin):
+        return origin.rsplit("/", 1)[0] + "/"
+    return os.path.dirname(os.path.abspath(os.path.expanduser(origin)))
+
+
+def _resolve(base: str, url: str) -> str:
+    if is_url(url) or os.path.isabs(url):
+        return url
+    if is_url(base):
+        scheme, rest = base.split("://", 1)
+        return f"{scheme}://{posixpath.normpath(posixpath.join(rest, url))}"
+    return os.path.normpath(os.path.join(base, url))
