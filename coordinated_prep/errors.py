@@ -51,7 +51,7 @@ def known_keys(cls: type, values: Mapping[str, Any], where: str) -> dict[str, An
     if not isinstance(values, Mapping):
         raise ConfigError(f"{where} must be a mapping, got {type(values).__name__}")
     allowed = [f.name for f in dataclasses.fields(cls) if f.init]
-    unknown = sorted(set(values) - set(allowed))
+    unknown = sorted(set(values) - set(allowed), key=str)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed keys are {allowed}")
     return dict(values)

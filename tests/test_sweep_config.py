@@ -1,6 +1,7 @@
 """The YAML sweep schema: valid files parse; every mistake names the file, the key and what is allowed."""
 
 import importlib.util
+import os
 import textwrap
 
 import pytest
@@ -64,6 +65,19 @@ def test_a_dataset_in_object_storage_parses_and_a_folder_url_that_is_neither_is_
         load_sweep(_write(tmp_path, GOOD.replace("dataset: builtin:shapes", f"dataset: {tmp_path}/none/train.json")))
 
 
+def test_yaml_reads_numbers_as_python_does_merges_keys_and_expands_home(tmp_path):
+    """``1e-3`` is a float (YAML 1.1 would read a string), ``<<: *base`` merges, ``~`` is the home folder;
+    and a sweep's ``max_t`` is the largest ``epochs`` it searches over."""
+    text = GOOD.replace("lr: {loguniform: [0.001, 0.1]}", "lr: {loguniform: [1e-3, 1E-1]}").replace(
+        "  momentum: {uniform: [0.8, 0.95]}\n", "  <<: {momentum: 9e-1}\n").replace("epochs: 2", "epochs: {choice: [2, 6]}")
+    cfg = load_sweep(_write(tmp_path, text + "storage_path: ~/runs\nray: {object_store_memory: 1GiB}\n"))
+    assert cfg.search_space["lr"] == Dimension("loguniform", (0.001, 0.1)) and cfg.search_space["momentum"] == 0.9
+    assert cfg.storage_path.startswith(os.path.expanduser("~")) and cfg.ray["object_store_memory"] == 2**30
+    assert _scheduler(cfg)._max_t == 6
+    with pytest.raises(ConfigError, match=r"\d: cannot be read as an experiment file .*Is a directory"):
+        load_sweep(str(tmp_path))
+
+
 def test_a_cache_is_configured_with_units(tmp_path):
     cfg = load_sweep(_write(tmp_path, GOOD + "cache: {capacity_bytes: 256MiB, partitioned: false}\n"))
     assert cfg.cache.capacity_bytes == 256 * 2**20 and cfg.cache.partitioned is False
@@ -104,6 +118,16 @@ def test_a_cache_is_configured_with_units(tmp_path):
     (("dataset: builtin:shapes", "dataset: {factory: os.path.join}"), r"factory='os.path.join' must be an import path"),
     (("seed: 3,", "seed: 3, transform: {factory: 'torchvision.transforms.v2:NoSuchTransform'},"),
      r"data.transform: factory .* has no attribute 'NoSuchTransform'"),
+    (("  epochs: 2\n", "  epochs: 2\n  widht: 8\n"), r"search_space.widht: trainable 'small_cnn' reads no such key; "
+                                                       r"did you mean 'width'\?"),
+    (("  epochs: 2\n", "  epochs: 2\n  yes: 3\n"), r"search_space: the key True is not a name .* quote it"),
+    (("{type: asha, grace_period: 1}", "{type: asha, grace_period: 5}"),
+     r"scheduler.grace_period=5 is past a trial's length, max_t=2 \(search_space.epochs\)"),
+    (("num_samples: 2", "num_samples: 2\nresources_per_trial: {cpu: 0, gpu: 0}"), r"a trial needs some resource"),
+    (("num_samples: 2", "num_samples: 2\nray: {num_cpus: two}"), r"ray.num_cpus='two' must be an integer >= 1"),
+    (("num_samples: 2", "num_samples: 2\nray: {include_dashboard: maybe}"), r"ray.include_dashboard='maybe' must be"),
+    (("num_samples: 2", "num_samples: 2\npool: {1: 2, actrs: 3}"), r"pool: unknown key\(s\) \[1, 'actrs'\]"),
+    (("num_samples: 2", "num_samples: 2\n{[1, 2]: 3}: 4"), r"line \d+: a list cannot be a key"),
 ])
 def test_mistakes_name_the_file_key_and_allowed_values(tmp_path, change, message):
     path = _write(tmp_path, GOOD.replace(*change))

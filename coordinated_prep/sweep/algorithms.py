@@ -42,6 +42,17 @@ class SchedulerSpec:
         raise NotImplementedError
 
 
+def default_max_t(space: Mapping[str, Any]) -> int:
+    """A trial's length where a scheduler's ``max_t`` is not set: the search space's ``epochs``, the
+    largest it can take where it is searched over integers, else 100."""
+    epochs = space.get("epochs")
+    if isinstance(epochs, Dimension) and epochs.kind in ("choice", "grid", "randint"):
+        values = list(epochs.args) if epochs.kind != "randint" else [epochs.args[1] - 1]
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            return max(values)
+    return epochs if isinstance(epochs, int) and not isinstance(epochs, bool) else 100
+
+
 @dataclass(frozen=True)
 class FifoSpec(SchedulerSpec):
     """Every trial runs to its end, in the order the searcher suggested it."""
@@ -69,6 +80,14 @@ class AshaSpec(SchedulerSpec):
         _at_least("grace_period", self.grace_period, 1)
         _factor(self.reduction_factor)
         _max_t(self.max_t)
+
+    def check_space(self, space: Mapping[str, Any]) -> None:
+        """The first rung (``grace_period``) lies within a trial's length (Tune's ASHA asserts it)."""
+        max_t = self.max_t or default_max_t(space)
+        if self.grace_period > max_t:
+            raise ConfigError(f"scheduler.grace_period={self.grace_period} is past a trial's length, max_t={max_t} "
+                              f"({'scheduler.max_t' if self.max_t else 'search_space.epochs'}): ASHA's first rung "
+                              "would never be reached; lower grace_period or raise max_t")
 
     def to_tune(self, default_max_t: int) -> Any:
         """Tune's ``ASHAScheduler``."""

@@ -57,6 +57,7 @@ Schema (every key but ``trainable`` and ``search_space`` is optional)::
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import math
 import os
@@ -83,6 +84,9 @@ TOP_KEYS = ("name", "storage_path", "trainable", "data", "search_space", "num_sa
 #: What the registered trainables need of their search space: (integer?, lowest value, required?).
 TRAINABLE_KEYS = {"lr": (False, 0.0, True), "batch_size": (True, 1, True), "epochs": (True, 1, True),
                   "width": (True, 1, False), "workers": (True, 1, False), "worker_failures": (True, 0, False)}
+#: Every key the registered trainables read from a trial's config (``trainables/``), besides ``data.*``.
+READ_KEYS = (*TRAINABLE_KEYS, "memory", "echo", "model_seed", "momentum", "weight_decay", "eval_batch_size",
+             "torch_threads", "cpu_per_worker", "gpu_per_worker", "gpu_memory_fraction", "depth", "num_classes")
 RAY_KEYS = ("num_cpus", "object_store_memory", "include_dashboard", "dashboard_host", "metrics_export_port",
             "node_ip_address")
 
@@ -167,6 +171,10 @@ def _parse(path: str, raw: Any) -> SweepConfig:
     space = raw["search_space"]
     if not isinstance(space, Mapping) or not space:
         raise ConfigError("search_space must be a non-empty mapping of config keys to constants or distributions")
+    for key in space:
+        if not isinstance(key, str):
+            raise ConfigError(f"search_space: the key {key!r} is not a name (YAML reads yes/no as booleans and digits "
+                              "as numbers); quote it, e.g. 'yes':")
     if "data" in space:
         raise ConfigError("search_space.data: the data spec belongs under the top-level 'data' key; search a value "
                           "inside it with a dotted key, e.g. search_space: {data.pipeline.size: {choice: [96, 128]}}")
@@ -184,6 +192,8 @@ def _parse(path: str, raw: Any) -> SweepConfig:
                            ("metric", str, "a reported metric name")):
         if key in raw:
             kwargs[key] = _typed(raw, key, typ, what)
+    if "storage_path" in kwargs:
+        kwargs["storage_path"] = os.path.expanduser(kwargs["storage_path"])
     for key, low in (("num_samples", 1), ("max_concurrent_trials", 0), ("max_failures", 0)):
         if key in raw:
             value = raw[key]
@@ -202,8 +212,7 @@ def _parse(path: str, raw: Any) -> SweepConfig:
     if "resources_per_trial" in raw:
         kwargs["resources_per_trial"], kwargs["gpu_auto"] = _resources(raw["resources_per_trial"])
     if "ray" in raw:
-        check_keys(raw["ray"], RAY_KEYS, "ray")
-        kwargs["ray"] = dict(raw["ray"])
+        kwargs["ray"] = _ray_options(raw["ray"])
     if raw.get("cache") is not None:
         kwargs["cache"] = CacheSpec.from_mapping(raw["cache"], "cache")
     if raw.get("pool") is not None:
@@ -259,6 +268,11 @@ def _check_trainable_keys(space: Mapping[str, Any], trainable: str, scheduler: S
                 raise ConfigError(f"search_space.{key} is required by trainable {trainable!r}")
             continue
         _check_trainable_values(f"search_space.{key}", key, space[key], trainable)
+    for key in space:  # a misspelt key would reach the trials unread, leaving the default in its place
+        near = difflib.get_close_matches(key, READ_KEYS, n=1, cutoff=0.8)
+        if key not in READ_KEYS and not key.startswith("data.") and near:
+            raise ConfigError(f"search_space.{key}: trainable {trainable!r} reads no such key; did you mean "
+                              f"{near[0]!r}? (it reads {sorted(READ_KEYS)} and data.* keys)")
     if "memory" in space:
         _check_memory("search_space.memory", space["memory"])
     if "echo" in space:
@@ -327,7 +341,28 @@ def _resources(value: Any) -> tuple[dict[str, float], GpuAuto | None]:
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
             allowed = " or 'auto'" if k == "gpu" else ""
             raise ConfigError(f"resources_per_trial.{k}={v!r} must be a number >= 0{allowed}")
+    if auto is None and value and not any(value.values()):  # Tune would reserve its default, 1 CPU, instead
+        raise ConfigError(f"resources_per_trial={dict(value)}: a trial needs some resource (Tune would give it 1 CPU "
+                          "instead); give cpu a fraction such as 0.25")
     return {k: float(v) for k, v in value.items()}, auto
+
+
+def _ray_options(value: Any) -> dict[str, Any]:
+    """The ``ray:`` keys, each of the type ``ray.init`` takes (a byte size may have a unit: 2GiB)."""
+    from coordinated_prep.cache.spec import parse_bytes
+
+    check_keys(value, RAY_KEYS, "ray")
+    options = dict(value)
+    for key, v in options.items():
+        if key == "object_store_memory":
+            options[key] = parse_bytes(v, "ray.object_store_memory")
+        elif key in ("num_cpus", "metrics_export_port") and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"ray.{key}={v!r} must be an integer >= 1")
+        elif key == "include_dashboard" and not isinstance(v, bool):
+            raise ConfigError(f"ray.include_dashboard={v!r} must be true or false")
+        elif key in ("dashboard_host", "node_ip_address") and not isinstance(v, str):
+            raise ConfigError(f"ray.{key}={v!r} must be an address such as 127.0.0.1")
+    return options
 
 
 def _typed(raw: Mapping[str, Any], key: str, typ: type, what: str) -> Any:

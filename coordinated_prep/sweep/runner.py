@@ -11,6 +11,7 @@ from coordinated_prep.cache.arena import remove_stale
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.tune.results import saved_reports
 from coordinated_prep.tune.searcher import CoordinatedSearcher
+from coordinated_prep.sweep.algorithms import default_max_t
 from coordinated_prep.sweep.config import SweepConfig
 from coordinated_prep.sweep.preflight import check_reachable
 from coordinated_prep.sweep.summary import build_summary, write_summary
@@ -179,10 +180,9 @@ def _loopback_allowed(address: str) -> Iterator[None]:
 
 
 def _scheduler(cfg: SweepConfig) -> Any:
-    """The Tune scheduler of ``cfg.scheduler``; a trial's length (``max_t``) defaults to the constant
-    ``epochs`` of the search space (100 when ``epochs`` is a distribution)."""
-    epochs = cfg.search_space.get("epochs")
-    return cfg.scheduler.to_tune(default_max_t=epochs if isinstance(epochs, int) else 100)
+    """The Tune scheduler of ``cfg.scheduler``; a trial's length (``max_t``) defaults to the search
+    space's ``epochs`` (:func:`~coordinated_prep.sweep.algorithms.default_max_t`)."""
+    return cfg.scheduler.to_tune(default_max_t=default_max_t(cfg.search_space))
 
 
 def _search_algorithm(cfg: SweepConfig) -> tuple[Any, CoordinatedSearcher | None]:

@@ -66,7 +66,7 @@ def check_keys(value: Any, allowed: tuple[str, ...], where: str) -> None:
     """Reject a non-mapping, or a mapping with keys outside ``allowed``, naming them and the allowed ones."""
     if not isinstance(value, Mapping):
         raise ConfigError(f"{where} must be a mapping")
-    unknown = sorted(set(value) - set(allowed))
+    unknown = sorted(set(value) - set(allowed), key=str)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {list(allowed)}")
 

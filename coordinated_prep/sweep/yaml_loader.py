@@ -1,7 +1,12 @@
-"""Safe YAML loading that rejects duplicate keys, with the file and line in the message."""
+"""Safe YAML loading that rejects duplicate keys, with the file and line in the message.
+
+Numbers are read as YAML 1.2 reads them: ``1e-3`` is a float, as in Python and JSON (PyYAML follows
+YAML 1.1, where an exponent needs a dot, ``1.0e-3``, and ``1e-3`` is a string).
+"""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import yaml
@@ -13,10 +18,25 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """yaml.SafeLoader (no arbitrary objects) that refuses a mapping with the same key twice."""
 
 
+# Its own copy of the resolvers (adding to SafeLoader's would change every other user's yaml.safe_load).
+_UniqueKeyLoader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+_MERGE = "tag:yaml.org,2002:merge"
+
+
 def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
+        if key_node.tag == _MERGE:  # `<<: *base`: merged by construct_mapping below
+            continue
         key = loader.construct_object(key_node, deep=deep)
+        try:
+            hash(key)
+        except TypeError:
+            raise ConfigError(f"line {key_node.start_mark.line + 1}: a {type(key).__name__} cannot be a key; use a name") from None
         if key in seen:
             raise ConfigError(
                 f"line {key_node.start_mark.line + 1}: duplicate key {key!r} (first at line {seen[key]}); "
@@ -36,6 +56,8 @@ def load_yaml(path: str) -> Any:
             return yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such experiment file") from None
+    except (OSError, UnicodeDecodeError) as e:  # a directory, no permission, not UTF-8 text
+        raise ConfigError(f"{path}: cannot be read as an experiment file ({e}); give a YAML file") from None
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
