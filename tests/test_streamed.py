@@ -235,3 +235,24 @@ def test_what_breaks_the_contract_is_refused_naming_the_dataset_the_shard_and_th
     with pytest.raises(ConfigError, match=r"give one split \(dataset\['train'\]\)"):
         DataSpec(dataset=datasets.IterableDatasetDict({"train": datasets.Dataset.from_dict(
             {"label": [1, 2]}).to_iterable_dataset()}))
+
+
+def test_a_ray_data_datasets_spill_is_named_within_its_cluster_so_a_later_cluster_never_reads_it(monkeypatch):
+    """A fresh Ray cluster numbers a driver's objects from the start again, so two runs' datasets can have
+    blocks with the same ids and other rows: the spill's key holds the cluster's session name too."""
+    from coordinated_prep.pipeline import streamed
+
+    class Ref:
+        def hex(self) -> str:
+            return "00ffffffffffffffffffffffffffffffffffffff0100000001e1f505"  # a driver's first ray.put
+
+    class MaterializedDataset:  # a stand-in: what RayDataRows reads of one
+        def get_internal_block_refs(self):
+            return [Ref()]
+
+    keys = []
+    for session in ("session_2026-11-29_08-00-00_1_1", "session_2026-11-29_09-00-00_2_2"):
+        monkeypatch.setattr(streamed, "_session_name", lambda: session)
+        keys.append(streamed.RayDataRows(MaterializedDataset()).key)
+    assert keys[0] != keys[1]
+    assert streamed.RayDataRows(MaterializedDataset()).key == keys[1], "one cluster: one key (its nodes share a spill)"

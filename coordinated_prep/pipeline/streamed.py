@@ -98,15 +98,27 @@ class RayDataRows:
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
         # Its identity without pickling it: a pickle taken outside Ray's own serialization would pin
-        # its blocks for the driver's life. Its blocks' ids name its rows, in their order.
+        # its blocks for the driver's life. Its blocks' ids name its rows, in their order, within the
+        # Ray cluster that holds them: a fresh cluster numbers a driver's objects from the start again
+        # (another run's rows under the same ids), so the key holds the cluster's session name too.
         blocks = "".join(ref.hex() for ref in dataset.get_internal_block_refs())
-        self.key = "ray.data:" + hashlib.sha256(blocks.encode()).hexdigest()
+        self.key = "ray.data:" + hashlib.sha256(f"{_session_name()}\0{blocks}".encode()).hexdigest()
 
     def shard(self, num_shards: int, index: int):
         dataset = type(self.dataset).copy(self.dataset, _deep_copy=True)  # the user's context is left as it was
         dataset.context.execution_options.preserve_order = True
         dataset.context.enable_progress_bars = False
         yield from dataset.iter_rows()
+
+
+def _session_name() -> str:
+    """The name of the Ray cluster session this process is connected to (unique per cluster start)."""
+    import ray
+
+    context = ray.get_runtime_context()
+    if hasattr(context, "get_session_name"):
+        return context.get_session_name()
+    return ray._private.worker.global_worker.node.session_name  # Ray releases before get_session_name
 
 
 def is_map_style(dataset: Any) -> bool:
