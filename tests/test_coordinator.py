@@ -105,3 +105,67 @@ def test_pieces_of_a_length_sorted_dataset_are_charged_their_real_bytes(ray_sess
     for staged, held in asyncio.run(scenario()):
         assert staged == held, f"staged_bytes says {staged}, the landed pieces hold {held}"
         assert held <= max(budget, 8 * real), f"{held} bytes staged for a budget of {budget}"
+
+
+class _AnsweringActor:
+    """A prep actor whose every piece is ready at once (its bytes: 100 per sample)."""
+
+    def __init__(self) -> None:
+        self.prepare = self
+
+    def options(self, **_: object) -> "_AnsweringActor":
+        return self
+
+    def remote(self, key, box, epoch, indices, layout) -> tuple[asyncio.Future, str]:
+        from types import SimpleNamespace
+
+        from coordinated_prep.pipeline.chunk import ChunkTiming
+
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(SimpleNamespace(**ChunkTiming(0.0, 0.0)._asdict() | {"nbytes": 100 * len(indices)}))
+        return future, "piece"
+
+
+def test_a_slower_trial_that_keeps_fetching_is_never_detached_by_the_lease(ray_session, small_dataset):
+    """The lease is the longest time production waits for the trials holding the oldest piece: a trial
+    that fetches the oldest piece well within it each time, however much slower than another, holds
+    nothing that long. Before, the lease's clock ran on from the first stall while production went on
+    between stalls, and detached such a trial one lease after its first stall."""
+    from coordinated_prep.pipeline.probe import Probe
+    from coordinated_prep.pipeline.chunk import image_layout
+    from coordinated_prep.stream.coordinator import Coordinator
+
+    spec = DataSpec(dataset=small_dataset, pipeline={"size": 16}, chunk_size=8, segments=2, lease_s=1.0, holdout=0.0)
+
+    async def scenario() -> tuple[list[str], int, int]:
+        coordinator = Coordinator.__ray_metadata__.modified_class(
+            spec, "test-lease", [_AnsweringActor()], 4 * 8 * 100, None, (180, Probe(image_layout((0,)), 100)))
+        a = (await coordinator.join("a", 5))["token"]
+        b = (await coordinator.join("b", 5))["token"]
+        failed: list[str] = []
+
+        async def fast() -> None:  # two requests in flight, as a trial's loader keeps them
+            pending = []
+            for g in range(60):
+                pending.append(asyncio.ensure_future(coordinator.fetch("a", a, g, 30)))
+                if len(pending) >= 2 and (await pending.pop(0))["status"] != "ok":
+                    return
+
+        async def slow() -> None:
+            for g in range(60):
+                await asyncio.sleep(0.4)  # a step of 0.4 s per piece (the trial's compute), well within the lease
+                answer = await coordinator.fetch("b", b, g, 30)
+                if answer["status"] != "ok":
+                    failed.append(f"piece {g}: {answer['status']}")
+                    return
+
+        slow_one = asyncio.ensure_future(slow())
+        await asyncio.wait([asyncio.ensure_future(fast()), slow_one], timeout=3.0)
+        report = await coordinator.report()
+        slow_one.cancel()
+        await coordinator.close(1.0)
+        return failed, report["evictions"], report["pieces_prepared"]
+
+    failed, evictions, prepared = asyncio.run(scenario())
+    assert prepared >= 8, "production went on past the budget's 4 pieces while both trials read"
+    assert failed == [] and evictions == 0, (failed, evictions)

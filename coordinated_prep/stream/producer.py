@@ -38,6 +38,7 @@ class Producer:
             if state == "closed":
                 return
             if state == "go":
+                self._end_stall()  # production goes on: whoever held the oldest piece let it go
                 self._reserve_and_submit()
                 continue
             if state == "stalled" and self.blocked_since is None:
