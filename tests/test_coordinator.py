@@ -15,13 +15,14 @@ def test_a_detached_consumer_is_forgotten_when_its_process_ends_or_its_trial_is_
 
     spec = DataSpec(dataset=small_dataset, pipeline={"size": 16}, chunk_size=8)
 
-    async def scenario() -> tuple[list[str], list[str], list[str]]:
+    async def scenario() -> tuple[list[str], list[str], list[str], dict, dict]:
         # The actor's class, run in this process: no prep actors, so it prepares nothing.
         coordinator = Coordinator.__ray_metadata__.modified_class(spec, "test-coordinator", [], 1 << 20)
         child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
-        try:
-            a = await coordinator.join("a", 1, Process(child.pid, _start_time(child.pid), None))
-            b = await coordinator.join("b#2", 1)
+        try:  # each reads a part of the split (a data-budget fidelity): the coordinator keeps its mask
+            a = await coordinator.join("a", 1, Process(child.pid, _start_time(child.pid), None),
+                                       {"subset": None, "fraction": 0.5, "fold": None})
+            b = await coordinator.join("b#2", 1, part={"subset": None, "fraction": 0.3, "fold": None})
             for trial, info in (("a", a), ("b#2", b)):  # what the lease does to the trials holding the budget
                 coordinator.buffer.leave(trial, info["token"])
                 coordinator.evicted[trial] = info["token"]
@@ -34,15 +35,16 @@ def test_a_detached_consumer_is_forgotten_when_its_process_ends_or_its_trial_is_
             await coordinator.leave_trial("b")  # Tune reports trial b over (its second loader was detached)
             after_done = (await coordinator.report())["detached"]
             await coordinator.close(1.0)
-            return before, after_exit, after_done
+            return before, after_exit, after_done, coordinator.parts, coordinator.part_masks
         finally:
             child.kill()
             child.wait(timeout=30)
 
-    before, after_exit, after_done = asyncio.run(scenario())
+    before, after_exit, after_done, parts, masks = asyncio.run(scenario())
     assert before == ["a", "b#2"]
     assert after_exit == ["b#2"], "a detached trial's entry goes when its process ends"
     assert after_done == [], "a detached trial's entry goes when Tune reports the trial over"
+    assert parts == {} and masks == {}, "and so do their parts' masks (a byte per sample each)"
 
 
 class _LandingActor:

@@ -194,7 +194,7 @@ class Coordinator(Producer):
             for other in self.watch.add(trial, token, Process(*process)):
                 logger.info("group %s: Tune reused the actor of %s for trial %s; %s released",
                             self.spec.group_key, other, trial, other)
-                self.buffer.leave(other)
+                self._gone(other)
         logger.info("trial %s joined group %s at piece %d", trial, self.spec.group_key, start)
         await self._notify()
         return {"token": token, "start": start, "chunks_per_epoch": self.plan.chunks_per_epoch,
@@ -239,7 +239,7 @@ class Coordinator(Producer):
             self._note_part(consumer, part)
             if ranks[rank] is not None:
                 for other in self.watch.add(consumer, tokens[rank], Process(*ranks[rank])):
-                    self.buffer.leave(other)  # Tune reused that actor: its earlier trial is over
+                    self._gone(other)  # Tune reused that actor: its earlier trial is over
         self.stats["trials_joined"] += len(ids)
         self.stats["cohorts"] += 1
         self.stats["ranks"][trial] = world  # bounded by the trials that joined
@@ -329,6 +329,12 @@ class Coordinator(Producer):
             self.part_masks[key] = part_mask(ids, self.dataset_samples)
         self.parts[consumer] = key
 
+    def _gone(self, consumer: str) -> None:
+        """``consumer``'s trial is over (Tune ran another trial in its process): nothing of it stays."""
+        self.buffer.leave(consumer)
+        self.evicted.pop(consumer, None)
+        self._forget_part(consumer)
+
     def _forget_part(self, consumer: str) -> None:
         key = self.parts.pop(consumer, None)
         if key is not None and key not in self.parts.values():
@@ -351,6 +357,7 @@ class Coordinator(Producer):
             await self.leave(consumer)
         for consumer in [c for c in self.evicted if trial_of(c) == trial]:
             del self.evicted[consumer]  # detached earlier: not a consumer any more, but remembered
+            self._forget_part(consumer)
 
     async def skip_to(self, trial: str, token: int, g: int) -> None:
         """``trial`` (incarnation ``token``) passes over its pieces below ``g``: one call, no waiting."""
@@ -362,6 +369,7 @@ class Coordinator(Producer):
         """The watch saw ``trial``'s process end: it leaves now, not when the lease runs out."""
         if self.evicted.get(trial) == token:  # a detached trial's process ended: nothing to answer it any more
             del self.evicted[trial]
+            self._forget_part(trial)
             return
         self.buffer.leave(trial, token)
         if trial not in self.buffer.consumers:
