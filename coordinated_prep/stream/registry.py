@@ -62,7 +62,7 @@ from coordinated_prep.naming import CALL_TIMEOUT_S, LIVENESS_TIMEOUT_S, NAMESPAC
 from coordinated_prep.pipeline.probe import PROBED
 from coordinated_prep.pipeline.streamed import StreamedShards
 from coordinated_prep.pipeline.sources.fingerprint import Fingerprint
-from coordinated_prep.plan import piece_size
+from coordinated_prep.plan import holdout_split, piece_size
 from coordinated_prep.pool.node import NodePool, node_table
 from coordinated_prep.pool.spec import PoolSpec, split_budget
 from coordinated_prep.stream.ranks import Ranks, _Rendezvous
@@ -306,11 +306,12 @@ class GroupRegistry(Ranks, Runs, Evals, Indexes, Reports, PoolGrowth, Kept):
         name = f"coordprep-{self.session}-{spec.group_key}-{node[:8]}-{next(self._incarnation)}"
         group = self._groups[key] = _Group(spec, node, None)
         budget = self._share(node, key, pool)
-        piece_bytes = piece_size(spec.chunk_size, start[0]) * start[1].sample_bytes
+        samples = piece_size(spec.chunk_size, len(holdout_split(start[0], spec.holdout)[0]))  # the coordinator's
+        piece_bytes = samples * start[1].sample_bytes
         if piece_bytes > budget:
             del self._groups[key]
             raise ConfigError(
-                f"data group {spec.group_key} ({spec.dataset_name}): one piece of {piece_size(spec.chunk_size, start[0])} "
+                f"data group {spec.group_key} ({spec.dataset_name}): one piece of {samples} "
                 f"samples takes {piece_bytes} bytes ({start[1].sample_bytes} per sample, all views), more than the "
                 f"group's staging budget on node {node} ({budget} bytes); lower data.chunk_size, raise "
                 "pool.staging_fraction (or data.staging_bytes), or make the samples smaller (crop, a smaller dtype)")
