@@ -130,6 +130,26 @@ def test_a_node_that_skipped_every_sample_of_the_epoch_is_an_error_that_says_so(
         list(loader)
 
 
+def test_ranks_reading_a_part_pass_over_a_piece_that_holds_none_of_it_after_a_skipped_sample():
+    """A part (here a subset) may hold nothing of a piece: after a piece whose one part sample was skipped,
+    that piece waits with it for the first row, in order (before: an IndexError ended every epoch)."""
+    from coordinated_prep.pipeline.part import Part
+    from coordinated_prep.plan import stream_plan
+
+    plan = stream_plan(100, 0, 0.1, 8, 4)
+    first, _, third = (plan.chunk_samples(g) for g in range(3))
+    ids = np.sort(np.concatenate([first[:1], third]))  # one sample of piece 0 (broken here), none of 1, all of 2
+    epochs = []
+    for rank in range(2):
+        stream = _NodeStream(plan, 0, 1, frozenset([int(first[0])]))
+        stream.dataset_samples = 100
+        epochs.append([b.indices.tolist() for b in TrainLoader(stream, 4, epochs=1, shard=Shard(rank, 2),
+                                                               part=Part(ids, 100))])
+    assert [len(e) for e in epochs] == [2, 2], "as many steps on each rank"
+    fresh = [i for e in epochs for b in e for i in b]
+    assert set(fresh) == set(third.tolist()), "every sample of the part but the broken one"
+
+
 def test_a_shared_rank_builds_the_groups_own_plan_for_a_short_piece(small_dataset):
     from coordinated_prep import DataSpec
     from coordinated_prep.trial.streams import PrivateStream, SharedStream

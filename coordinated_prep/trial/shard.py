@@ -234,10 +234,13 @@ def filled(pieces: Iterable[tuple[int, PreparedChunk]], length: Callable[[int], 
     Raises:
         PrepError: Every sample of the epoch was skipped on this node (no row to pad with).
     """
-    held: list[tuple[int, PreparedChunk]] = []  # all-skipped pieces before the epoch's first row (no data)
+    held: list[tuple[int, PreparedChunk]] = []  # pieces with no row before the epoch's first row (in order)
     spare: tuple[Any, int] | None = None  # the last row of this node's epoch so far, to stand in where none is
     warned = False  # once per epoch: a node that skips, skips in many pieces
     for g, piece in pieces:
+        if len(piece) == 0 and spare is None and (held or length(g)):  # nothing to stand in yet: kept in order
+            held.append((g, piece))
+            continue
         if len(piece) == length(g) * piece.views:
             out: Any = piece
         else:
@@ -246,14 +249,11 @@ def filled(pieces: Iterable[tuple[int, PreparedChunk]], length: Callable[[int], 
                 logger.warning("%s: piece %d held %d of its %d planned samples (broken samples skipped on this "
                                "node); copies of its other rows stand in for them, so the rank's share and steps "
                                "stay its siblings'", who, g, len(piece) // piece.views, length(g))
-            if len(piece) == 0 and spare is None:
-                held.append((g, piece))
-                continue
             out = _fill(piece, planned(g), spare)
         if len(piece):
             spare = (piece, len(piece) // piece.views - 1)
-        for h, empty in held:  # they come first; the epoch's first row stands in for theirs
-            yield _fill(empty, planned(h), (piece, 0))
+        for h, empty in held:  # they come first; the epoch's first row stands in for theirs (a piece the
+            yield _fill(empty, planned(h), (piece, 0)) if length(h) else empty  # plan leaves empty: as it is)
         held = []
         yield out
     if held:
