@@ -386,8 +386,10 @@ def _checked(loader: TrainLoader) -> TrainLoader:
         loader.sink = find_registry(loader.trial)
     if loader.samples_per_epoch == 0:
         loader.close()
-        raise ConfigError(f"train_loader: an epoch of {loader._stream.samples_per_epoch} samples over {loader.world} "
-                          "ranks with drop_last=True leaves each rank nothing; use drop_last=False or fewer ranks")
+        part = " (the spec's part of the split)" if loader._part is not None else ""
+        raise ConfigError(f"train_loader: an epoch of {loader._epoch_samples} samples{part} over {loader.world} ranks "
+                          "with drop_last=True leaves each rank nothing; use drop_last=False or fewer ranks"
+                          + (", or a larger subset or fraction" if part else ""))
     return loader
 
 
