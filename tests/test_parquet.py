@@ -236,6 +236,10 @@ def test_overwrite_replaces_only_what_convert_wrote(small_dataset, tmp_path):
     assert (out / "notes.txt").read_text() == "mine" and len(ParquetSource(str(out))) == 180
     with pytest.raises(ConfigError, match="inside the source dataset"):
         convert_imagefolder(small_dataset, os.path.join(small_dataset, "parquet"))
+    os.symlink(out, tmp_path / "link")  # the source through a link: --overwrite would delete it
+    with pytest.raises(ConfigError, match="inside the source dataset"):
+        convert_imagefolder(str(out), str(tmp_path / "link"), overwrite=True)
+    assert len(ParquetSource(str(out))) == 180, "the source is whole"
 
 
 def test_an_interrupted_conversion_leaves_no_dataset(small_dataset, tmp_path):

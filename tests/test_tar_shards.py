@@ -144,6 +144,9 @@ def test_shards_that_break_the_layout_are_refused_naming_shard_key_and_fix(small
     for over in (str(tmp_path / "j" / "shard-{000000..000001}.tar"), f"file://{tmp_path / 'j'}"):
         with pytest.raises(ConfigError, match=r"holds or lies inside the source dataset .*would delete"):
             convert_to_tar(over, str(tmp_path / "j"), overwrite=True)  # shards over themselves: nothing deleted
+    os.symlink(tmp_path / "j", tmp_path / "link")
+    with pytest.raises(ConfigError, match=r"holds or lies inside the source dataset .*would delete"):
+        convert_to_tar(str(tmp_path / "j"), str(tmp_path / "link"), overwrite=True)  # through a link
     assert all(os.path.getsize(p) > 0 for p in done.shards)
     assert len(open_source.__wrapped__(f"file://{tmp_path / 'j'}")) == 180, "a file:// folder of shards"
 

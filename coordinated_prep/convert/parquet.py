@@ -85,7 +85,7 @@ def convert_imagefolder(
     t0 = time.perf_counter()
     source = open_source.__wrapped__(src)  # uncached: the directory may have changed since this process opened it
     out = os.path.abspath(os.path.expanduser(out))
-    if out == source.root or out.startswith(source.root + os.sep):
+    if _inside(out, source.root):
         raise ConfigError(f"convert: output {out!r} lies inside the source dataset {source.root!r}, where it would "
                           "be read as a class folder; choose a directory outside it")
     _prepare_out(out, overwrite)
@@ -105,6 +105,13 @@ def convert_imagefolder(
                               seconds=time.perf_counter() - t0)
     logger.info("converted %s: %d samples into %d shard(s) in %s", source.root, done, len(shards), out)
     return result
+
+
+def _inside(out: str, home: str) -> bool:
+    """Whether ``out`` is ``home`` or lies inside it, through symbolic links too (a link to the source
+    would have --overwrite delete the source)."""
+    out, home = os.path.realpath(out), os.path.realpath(home)
+    return out == home or out.startswith(home.rstrip(os.sep) + os.sep)
 
 
 def _prepare_out(out: str, overwrite: bool, ours: re.Pattern = _OURS,

@@ -21,7 +21,7 @@ import tarfile
 import time
 from typing import Callable
 
-from coordinated_prep.convert.parquet import ConversionResult, _fsync, _prepare_out
+from coordinated_prep.convert.parquet import ConversionResult, _fsync, _inside, _prepare_out
 from coordinated_prep.errors import ConfigError
 from coordinated_prep.pipeline.sources import open_source
 
@@ -56,7 +56,7 @@ def convert_to_tar(src: str, out: str, *, shard_size: int = DEFAULT_SHARD_SIZE, 
     out = os.path.abspath(os.path.expanduser(out))
     homes = {source.root} if os.path.isdir(source.root) else set()
     homes |= {os.path.dirname(p) for p in getattr(source, "shards", ())}  # tar shards or Parquet read from there
-    if any(out == home or out.startswith(home + os.sep) for home in homes):
+    if any(_inside(out, home) for home in homes):
         raise ConfigError(f"convert: output {out!r} holds or lies inside the source dataset {src!r}, which "
                           "--overwrite would delete before reading it; choose a directory outside it")
     _prepare_out(out, overwrite, _OURS, "shard-*.tar files", first="")
