@@ -171,3 +171,30 @@ def test_a_slower_trial_that_keeps_fetching_is_never_detached_by_the_lease(ray_s
     failed, evictions, prepared = asyncio.run(scenario())
     assert prepared >= 8, "production went on past the budget's 4 pieces while both trials read"
     assert failed == [] and evictions == 0, (failed, evictions)
+
+
+def test_a_wait_that_outlasts_the_fetch_timeout_behind_a_straggler_names_it_and_the_lease(ray_session, small_dataset):
+    from coordinated_prep.errors import PrepError
+    from coordinated_prep.pipeline.chunk import image_layout
+    from coordinated_prep.pipeline.probe import Probe
+    from coordinated_prep.stream.coordinator import Coordinator
+
+    spec = DataSpec(dataset=small_dataset, pipeline={"size": 16}, chunk_size=8, segments=2, lease_s=60.0, holdout=0.0)
+
+    async def scenario() -> str:
+        coordinator = Coordinator.__ray_metadata__.modified_class(
+            spec, "test-lease-timeout", [_AnsweringActor()], 4 * 8 * 100, None, (180, Probe(image_layout((0,)), 100)))
+        await coordinator.join("straggler", 5)  # joins and reads nothing
+        b = (await coordinator.join("b", 5))["token"]
+        try:
+            for g in range(8):
+                await coordinator.fetch("b", b, g, 1.0)
+        except PrepError as e:
+            return str(e)
+        finally:
+            await coordinator.close(1.0)
+        return "no error"
+
+    message = asyncio.run(scenario())
+    assert "piece 4 was not prepared within 1.0s" in message, message
+    assert "trials ['straggler'] have not read yet" in message and "lower data.lease_s" in message, message

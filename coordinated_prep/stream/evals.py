@@ -9,9 +9,7 @@ from typing import Any
 import ray
 
 from coordinated_prep import metrics
-from coordinated_prep.errors import (
-    CoordinatedPrepError,
-)
+from coordinated_prep.errors import ConfigError, CoordinatedPrepError
 from coordinated_prep.stream.eval_set import EvalSet, eval_key, eval_pieces
 from coordinated_prep.plan import piece_size
 from coordinated_prep.spec import DataSpec
@@ -79,6 +77,10 @@ class Evals:
         pool = await self._pool(node)
         try:
             held, start = await asyncio.wait_for(pool.actors[0].held_out.remote(spec), spec.fetch_timeout_s)
+        except asyncio.TimeoutError:
+            raise ConfigError(f"evaluation set {key} ({spec.dataset_name}): preparing its first held-out samples took "
+                              f"longer than data.fetch_timeout_s={spec.fetch_timeout_s}s; raise it, or make the "
+                              "evaluation transform cheaper") from None
         except ray.exceptions.RayTaskError as e:
             raise (e.cause if isinstance(e.cause, CoordinatedPrepError) else e) from None
         found = EvalSet(key, spec, node, eval_pieces(held, piece_size(spec.chunk_size, len(held))),
