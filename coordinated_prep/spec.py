@@ -156,7 +156,7 @@ class DataSpec:
         _check_int("data.seed", self.seed, 0)
         if not isinstance(self.coordinated, bool):
             raise ConfigError(f"data.coordinated={self.coordinated!r} must be true or false")
-        if not isinstance(self.holdout, (int, float)) or not 0.0 <= self.holdout < 1.0:
+        if not isinstance(self.holdout, (int, float)) or isinstance(self.holdout, bool) or not 0.0 <= self.holdout < 1.0:
             raise ConfigError(f"data.holdout={self.holdout!r} must be a fraction in [0, 1)")
         if self.chunk_size is not None:
             _check_int("data.chunk_size", self.chunk_size, 1)
@@ -166,6 +166,10 @@ class DataSpec:
             raise ConfigError(f"data.views={self.views} is more than {MAX_VIEWS}: echoing helps only up to a few "
                               "repeats (Choi et al.); use views of 2-4")
         if self.staging_bytes is not None:
+            if isinstance(self.staging_bytes, str):  # '64MiB', as pool.staging_bytes takes it
+                from coordinated_prep.cache.spec import parse_bytes
+
+                object.__setattr__(self, "staging_bytes", parse_bytes(self.staging_bytes, "data.staging_bytes"))
             _check_int("data.staging_bytes", self.staging_bytes, 1)
             if not self.user_transforms and isinstance(self.dataset, str) and self.staging_bytes < self.chunk_bytes:
                 raise ConfigError(

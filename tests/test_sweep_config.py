@@ -73,6 +73,8 @@ def test_yaml_reads_numbers_as_python_does_merges_keys_and_expands_home(tmp_path
     cfg = load_sweep(_write(tmp_path, text + "storage_path: ~/runs\nray: {object_store_memory: 1GiB}\n"))
     assert cfg.search_space["lr"] == Dimension("loguniform", (0.001, 0.1)) and cfg.search_space["momentum"] == 0.9
     assert cfg.storage_path.startswith(os.path.expanduser("~")) and cfg.ray["object_store_memory"] == 2**30
+    staged = load_sweep(_write(tmp_path, GOOD.replace("seed: 3,", "seed: 3, staging_bytes: 64MiB,")))
+    assert staged.data.staging_bytes == 64 * 2**20, "with a unit, as pool.staging_bytes"
     assert _scheduler(cfg)._max_t == 6
     with pytest.raises(ConfigError, match=r"\d: cannot be read as an experiment file .*Is a directory"):
         load_sweep(str(tmp_path))
@@ -128,6 +130,9 @@ def test_a_cache_is_configured_with_units(tmp_path):
     (("num_samples: 2", "num_samples: 2\nray: {include_dashboard: maybe}"), r"ray.include_dashboard='maybe' must be"),
     (("num_samples: 2", "num_samples: 2\npool: {1: 2, actrs: 3}"), r"pool: unknown key\(s\) \[1, 'actrs'\]"),
     (("num_samples: 2", "num_samples: 2\n{[1, 2]: 3}: 4"), r"line \d+: a list cannot be a key"),
+    (("{size: 32}", "{size: 32, hflip: true}"), r"data.pipeline.hflip=True must be a probability"),
+    (("{size: 32}", "{size: 32, scale: [true, true]}"), r"data.pipeline.scale=\[True, True\] must be a pair of numbers"),
+    (("seed: 3,", "seed: 3, holdout: false,"), r"data.holdout=False must be a fraction"),
 ])
 def test_mistakes_name_the_file_key_and_allowed_values(tmp_path, change, message):
     path = _write(tmp_path, GOOD.replace(*change))

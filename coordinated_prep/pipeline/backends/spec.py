@@ -14,6 +14,8 @@ BACKENDS: tuple[str, ...] = ("torchvision", "dali")
 
 def _pair(name: str, value: Any) -> tuple[float, float]:
     try:
+        if isinstance(value, (str, bytes)) or any(isinstance(v, (bool, str)) for v in value):
+            raise TypeError("not numbers")  # YAML's true would read as 1.0, a string's characters as digits
         low, high = (float(v) for v in value)
     except (TypeError, ValueError):
         raise ConfigError(f"{name}={value!r} must be a pair of numbers [low, high]") from None
@@ -55,7 +57,7 @@ class PipelineSpec:
             raise ConfigError(f"data.pipeline.scale={self.scale!r}: the upper bound must be at most 1.0")
         object.__setattr__(self, "scale", scale)
         object.__setattr__(self, "ratio", _pair("data.pipeline.ratio", self.ratio))
-        if not isinstance(self.hflip, (int, float)) or not 0.0 <= self.hflip <= 1.0:
+        if not isinstance(self.hflip, (int, float)) or isinstance(self.hflip, bool) or not 0.0 <= self.hflip <= 1.0:
             raise ConfigError(f"data.pipeline.hflip={self.hflip!r} must be a probability in [0, 1]")
         object.__setattr__(self, "hflip", float(self.hflip))
         if self.eval_resize is None:
