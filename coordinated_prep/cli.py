@@ -219,9 +219,9 @@ def _analyze(args: argparse.Namespace) -> int:
     cfg = load_sweep(args.experiment)
     if args.cores is not None and args.cores < 1:
         raise ConfigError(f"analyze: --cores={args.cores} must be at least 1")
+    trials = () if args.no_coordinated_runs else parse_trials(args.trials)  # its flags checked before a dry run too
     if args.dry_run:
         return _valid(args.experiment)
-    trials = () if args.no_coordinated_runs else parse_trials(args.trials)
     report = analyze(cfg, samples=args.samples, cores=args.cores, step_ms=args.step_ms,
                      disk_probe_dir=args.disk_probe_dir, trials=trials, run_samples=args.run_samples)
     out = args.out or os.path.join(cfg.storage_path, cfg.name, "analysis")
@@ -253,6 +253,9 @@ def _memory(args: argparse.Namespace) -> int:
     from coordinated_prep.sweep.config import load_sweep
 
     cfg = load_sweep(args.experiment)
+    for flag, value, low in (("steps", args.steps, 1), ("warmup", args.warmup, 0), ("threads", args.threads, 1)):
+        if value is not None and value < low:  # checked before a dry run too
+            raise ConfigError(f"memory: --{flag}={value} must be >= {low}")
     if args.dry_run:
         return _valid(args.experiment)
     report = run_memory(cfg, steps=args.steps, warmup=args.warmup, threads=args.threads)
@@ -272,14 +275,14 @@ def _bench(args: argparse.Namespace) -> int:
     from coordinated_prep.bench.run import run_bench
 
     cfg = load_bench(args.experiment)
-    if args.dry_run:
-        return _valid(args.experiment)
-    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's per-run banner would bury the table
     if args.trials:
         try:
             cfg = dataclasses.replace(cfg, trials=tuple(int(n) for n in args.trials.split(",")))
         except ValueError:
             raise ConfigError(f"bench: --trials={args.trials!r} must be comma-separated integers, e.g. 1,2,4,8") from None
+    if args.dry_run:
+        return _valid(args.experiment)
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # Tune's per-run banner would bury the table
     machine = f"{platform.node()}: {cfg.cores} cores, {platform.processor() or platform.machine()}"
 
     def progress(row: dict) -> None:

@@ -60,6 +60,11 @@ def test_a_dataset_url_this_machine_cannot_read_exits_2_before_ray_starts(tmp_pa
 def test_dry_run_validates_without_ray(capsys):
     assert main(["sweep", "experiments/default.yaml", "--dry-run"]) == 0
     assert "valid" in capsys.readouterr().out
+    for argv, named in ((["analyze", "experiments/default.yaml", "--trials", "a,b"], "--trials='a,b'"),
+                        (["memory", "experiments/default.yaml", "--steps", "0"], "--steps=0 must be >= 1"),
+                        (["bench", "experiments/bench.yaml", "--trials", "x"], "--trials='x'")):
+        assert main([*argv, "--dry-run"]) == 2, argv  # a dry run checks the flags too
+        assert named in capsys.readouterr().err
 
 
 @pytest.mark.usefixtures("warm_pool")
