@@ -280,16 +280,15 @@ class Coordinator(Producer):
             async with self.changed:
                 await asyncio.wait_for(self.changed.wait_for(lambda: self._settled_or_gone(trial, token, g)), timeout_s)
         except asyncio.TimeoutError:
-            holders = sorted(self.buffer.lease_holders(self._head_bytes())) if self.blocked_since is not None else []
-            why = (f"the staging budget is full of pieces trials {holders} have not read yet, and the lease (data.lease_s="
+            held = sorted(self.buffer.lease_holders(self._head_bytes())) if self.blocked_since is not None else []
+            why = (f"the staging budget is full of pieces trials {held} have not read yet, and the lease (data.lease_s="
                    f"{self.spec.lease_s}) detaches them only after this wait's {timeout_s}s: lower data.lease_s below "
-                   "data.fetch_timeout_s" if holders else
-                   "the node's prep pool is too slow for this data: raise data.fetch_timeout_s or pool.actors")
-            raise PrepError(
-                f"trial {trial}: piece {g} was not prepared within {timeout_s}s by {self.name} "
-                f"(head {self.buffer.head}, staged {self.buffer.staged_bytes} of {self.buffer.budget_bytes} bytes, "
-                f"{self.in_flight} pieces in flight on {len(self.actors)} prep actors shared by the node's groups); "
-                f"{why}") from None
+                   "data.fetch_timeout_s" if held else "the node's prep pool is too slow for this data: raise "
+                   "data.fetch_timeout_s or pool.actors")
+            raise PrepError(f"trial {trial}: piece {g} was not prepared within {timeout_s}s by {self.name} (head "
+                            f"{self.buffer.head}, staged {self.buffer.staged_bytes} of {self.buffer.budget_bytes} bytes, "
+                            f"{self.in_flight} pieces in flight on {len(self.actors)} prep actors shared by the node's "
+                            f"groups); {why}") from None
         finally:
             if self.buffer.is_current(trial, token):
                 self.buffer.end_wait(trial, g)
@@ -333,8 +332,7 @@ class Coordinator(Producer):
             self.part_masks[key] = part_mask(ids, self.dataset_samples)
         self.parts[consumer] = key
 
-    def _gone(self, consumer: str) -> None:
-        """``consumer``'s trial is over (Tune ran another trial in its process): nothing of it stays."""
+    def _gone(self, consumer: str) -> None:  # its trial is over (Tune ran another in its process): nothing stays
         self.buffer.leave(consumer)
         self.evicted.pop(consumer, None)
         self._forget_part(consumer)
