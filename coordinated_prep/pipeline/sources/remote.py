@@ -216,7 +216,8 @@ def fetched_parquet(manifest_url: str) -> str:
     cache = os.path.dirname(manifest)
     prefix = "parquet-" + hashlib.sha256(manifest_url.encode()).hexdigest()[:16]
     for left in glob.glob(os.path.join(cache, prefix + ".tmp-*")):  # a builder killed midway (never a live one:
-        if time.time() - os.path.getmtime(left) > LOCK_WAIT_S:  # a builder makes its folder after the fetch)
+        found = _state(left)  # a builder makes its folder after the fetch); None: another opener's, gone since
+        if found is not None and time.time() - found[1] / 1e9 > LOCK_WAIT_S:
             shutil.rmtree(left, ignore_errors=True)
     with _staging(cache, prefix) as staging:  # the manifest read where it would lie, each file's path checked
         try:
