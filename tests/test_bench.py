@@ -40,6 +40,7 @@ def test_a_tiny_bench_runs_every_loader_and_format_and_writes_csv_and_png(ray_se
         record_trials: [2]
         record_loaders: [coordinated-torchvision]   # a DataLoader over Parquet: tests/test_parquet.py
         cores: 2
+        pool_actors: 1   # each coordinated run starts its pool: one process importing torch, not two
     """))
     assert main(["bench", str(path)]) == 0
     out = capsys.readouterr().out
