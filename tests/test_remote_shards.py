@@ -114,7 +114,8 @@ def test_shards_named_by_a_shard_index_are_fetched_one_by_one_as_their_samples_a
         assert (len(source), source.shard_sizes, source.classes) == (180, (64, 64, 52), folder.classes)
         assert _gets(server) == {"/train.json": 1}, "no shard before a sample of it is read"
         assert source.read(70) == folder.read(70) and source.labels[70] == folder.labels[70]
-        assert _gets(server) == {"/train.json": 1, "/shard-000001.tar": 1}, "the one shard that holds it"
+        tars = [line.split()[1] for line in open(tmp_path / "http.log") if line.startswith("GET /shard-")]
+        assert tars[0] == "/shard-000001.tar", "the shard that holds it first; the others follow behind it"
         again = pickle.loads(pickle.dumps(source))  # as a prep actor gets it: its copies come from the node's cache
         assert all(again.read(i) == folder.read(i) for i in range(180))
         assert np.array_equal(np.asarray(again.labels), folder.labels)

@@ -187,9 +187,24 @@ def test_a_shard_index_reads_each_shard_when_a_sample_of_it_is_read_and_refuses_
         with pytest.raises(DatasetError, match=named) as e:
             open_source.__wrapped__(index(doc))
         assert "shard index " + str(tmp_path) in str(e.value)
-    missing = open_source.__wrapped__(index({"shardlist": [{"url": "gone.tar", "nsamples": 5}]}))
-    with pytest.raises(DatasetError, match=r"shard \S+gone\.tar, listed in the shard index \S+\.json, does not exist"):
-        missing.read(0)
+    with pytest.raises(DatasetError, match=r"1 of its 2 shards do not exist, first \S+/gone\.tar; fix their url"):
+        open_source.__wrapped__(index({"shardlist": [{"url": os.path.join(out, names[0]), "nsamples": 50},
+                                                     {"url": "gone.tar", "nsamples": 5}]}))  # at the start
+    with pytest.raises(DatasetError, match=r"shard index \S+/none\.json cannot be opened .*check the path"):
+        open_source.__wrapped__(str(tmp_path / "none.json"))
+    # Where shards are looked for: a relative base_path from the index's folder (not the process's), a
+    # URL's leading / from its host, file:// as a local path; climbing above a host is refused.
+    from coordinated_prep.pipeline.sources.shard_index import read_shard_index
+
+    assert read_shard_index(index({"base_path": "tar", "shardlist": [{"url": names[1], "nsamples": 50}]})).urls == (
+        os.path.join(out, names[1]),)
+    found = read_shard_index(index({"base_path": "https://host:8443/ds/", "shardlist": [
+        {"url": "/shards/a.tar", "nsamples": 1}, {"url": "../b.tar", "nsamples": 1},
+        {"url": f"file://{out}/{names[0]}", "nsamples": 1}, {"url": "s3://bucket/c.tar", "nsamples": 1}]}))
+    assert found.urls == ("https://host:8443/shards/a.tar", "https://host:8443/b.tar", f"{out}/{names[0]}",
+                          "s3://bucket/c.tar")
+    with pytest.raises(DatasetError, match=r"'\.\./\.\./x\.tar' climbs above https://host/"):
+        read_shard_index(index({"base_path": "https://host/ds/", "shardlist": [{"url": "../../x.tar", "nsamples": 1}]}))
 
 
 def test_a_sweep_over_tar_shards_shares_exact_epochs(ray_session, small_dataset, tmp_path, warm_pool):

@@ -132,18 +132,27 @@ class CachedSource:
             if owner == self._local and reply.hits and (self._snapshot is None
                                                         or reply.version > self._snapshot.version):
                 self._refresh_snapshot(owner)
-        for k, data in enumerate(out):
-            if data is None:
-                out[k] = self._from_storage(indices[k])
+        missing = [k for k, data in enumerate(out) if data is None]
+        for k, data in zip(missing, self._from_storage([indices[k] for k in missing])):
+            out[k] = data
         return out
 
-    def _from_storage(self, index: int) -> Any:
-        self.storage_reads += 1
-        metrics.inc("storage_reads", 1, node=self._node[:16], reader="prep")
-        try:
-            return self._source.read(index)
-        except SampleError as e:
-            return e
+    def _from_storage(self, indices: Sequence[int]) -> list[Any]:
+        """Per index, its bytes from storage or its SampleError (one call where the source reads many: a
+        shard index fetches a piece's shards together)."""
+        if not indices:
+            return []
+        self.storage_reads += len(indices)
+        metrics.inc("storage_reads", len(indices), node=self._node[:16], reader="prep")
+        if hasattr(self._source, "read_many"):
+            return self._source.read_many(indices)
+        found: list[Any] = []
+        for index in indices:
+            try:
+                found.append(self._source.read(index))
+            except SampleError as e:
+                found.append(e)
+        return found
 
     def _refresh_snapshot(self, owner: int) -> None:
         """Take a new snapshot of this node's cached set (the cache had hits the old one lacked)."""

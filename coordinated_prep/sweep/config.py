@@ -251,7 +251,7 @@ def _check_dataset(dataset: str, name: str = "data.dataset") -> None:
             raise ConfigError(f"{name}={dataset!r} is not a builtin dataset; choose one of {list(BUILTIN_DATASETS)}")
     elif not os.path.isdir(dataset) and not is_tar_dataset(dataset) and not is_remote_folder(dataset) and not (
             is_url(dataset) and dataset.endswith("/" + PARQUET_MANIFEST)) and not (
-            is_shard_index(dataset) and (is_url(dataset) or os.path.isfile(dataset))):
+            is_shard_index(dataset) and (is_url(dataset) or os.path.isfile(os.path.expanduser(dataset)))):
         raise ConfigError(f"{name}={dataset!r}: no such directory; give an ImageFolder root (local or a URL), a "
                           f"Parquet dataset directory (coordprep convert) or the URL of its {PARQUET_MANIFEST}, WebDataset "
                           "tar shards (a folder of *.tar, a .tar file, a pattern such as 'shards-{0000..0063}.tar' or "

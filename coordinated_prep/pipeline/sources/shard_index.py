@@ -71,6 +71,9 @@ def read_shard_index(dataset: str) -> ShardIndex:
             with open(os.path.expanduser(origin), "rb") as f:
                 text = f.read()
         doc = json.loads(text)
+    except (FileNotFoundError, PermissionError) as e:
+        raise DatasetError(f"shard index {dataset} cannot be opened ({e}); check the path or URL and the "
+                           "credentials") from e
     except (OSError, ValueError) as e:
         raise DatasetError(f"shard index {dataset}: cannot be read as JSON ({e}); {_FIX}") from e
     except DatasetError:
@@ -80,9 +83,10 @@ def read_shard_index(dataset: str) -> ShardIndex:
     shards = doc.get("shardlist") if isinstance(doc, dict) else None
     if not isinstance(shards, list) or not shards:
         raise DatasetError(f"shard index {dataset}: no 'shardlist' of shards; {_FIX}")
-    base = doc.get("base_path") or _folder(origin)
+    base = doc.get("base_path") or ""
     if not isinstance(base, str):
         raise DatasetError(f"shard index {dataset}: 'base_path' is {base!r}, not a path or URL")
+    base = _resolve(_folder(origin), base, dataset) if base else _folder(origin)  # a relative one: from the index's
     urls, counts = [], []
     for k, entry in enumerate(shards):
         url = entry.get("url") if isinstance(entry, dict) else None
@@ -90,13 +94,17 @@ def read_shard_index(dataset: str) -> ShardIndex:
         if not isinstance(url, str) or not url or isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise DatasetError(f"shard index {dataset}: shardlist[{k}] is {entry!r}; each shard needs a 'url' and its "
                                "'nsamples' (an int >= 1)")
-        urls.append(_resolve(base, url))
+        urls.append(_resolve(base, url, dataset))
         counts.append(n)
     classes = doc.get("classes")
     if classes is not None and (not isinstance(classes, list) or not classes
                                 or not all(isinstance(c, (str, int)) for c in classes)):
         raise DatasetError(f"shard index {dataset}: 'classes' is {classes!r}; it lists the class names in label order "
                            "(or leave it out)")
+    missing = [u for u in urls if not is_url(u) and not os.path.isfile(u)]
+    if missing:
+        raise DatasetError(f"shard index {dataset}: {len(missing)} of its {len(urls)} shards do not exist, first "
+                           f"{missing[0]}; fix their url (relative to the index's folder or its base_path)")
     return ShardIndex(dataset, tuple(urls), tuple(counts), None if classes is None else tuple(map(str, classes)))
 
 
@@ -120,10 +128,18 @@ def _folder(origin: str) -> str:
     return os.path.dirname(os.path.abspath(os.path.expanduser(origin)))
 
 
-def _resolve(base: str, url: str) -> str:
-    if is_url(url) or os.path.isabs(url):
+def _resolve(base: str, url: str, index: str) -> str:
+    """``url`` (a shard's, or a base_path) against ``base``, as ``wids`` resolves it: a URL as it is, a
+    path from the base's folder or, in a URL's, from its host or bucket; ``file://`` as a local path."""
+    if url.startswith("file://"):
+        return url.removeprefix("file://")
+    if is_url(url):
         return url
-    if is_url(base):
-        scheme, rest = base.split("://", 1)
-        return f"{scheme}://{posixpath.normpath(posixpath.join(rest, url))}"
-    return os.path.normpath(os.path.join(base, url))
+    if not is_url(base):
+        return os.path.normpath(os.path.join(base.removeprefix("file://"), os.path.expanduser(url)))
+    scheme, rest = base.split("://", 1)
+    host, _, path = rest.partition("/")
+    joined = posixpath.normpath(posixpath.join(path, url))  # a leading / starts at the host
+    if joined == ".." or joined.startswith("../"):
+        raise DatasetError(f"shard index {index}: {url!r} climbs above {scheme}://{host}/; fix the url")
+    return f"{scheme}://{host}/{joined.lstrip('/')}"

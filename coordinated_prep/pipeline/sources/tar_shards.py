@@ -29,6 +29,7 @@ import glob
 import logging
 import os
 import re
+import sys
 import tarfile
 import threading
 from typing import Iterable, Sequence
@@ -141,6 +142,7 @@ class TarShardSource:
     @property
     def shards(self) -> tuple[str, ...]:
         """Each shard's local path (of its copy in the node's shard cache, for a URL): fetched first if missing."""
+        self._shards.ensure(range(len(self.urls)))
         return tuple(self._shards.shard(s).path for s in range(len(self.urls)))
 
     @property
@@ -155,7 +157,8 @@ class TarShardSource:
         """The class names: ``0``, ``1``, ... up to the largest label, unless a shard index names them
         (one that does not: known once every shard was read, which asking here does)."""
         if self._classes is None:
-            logger.info("%s names no classes: reading its %d shards for their labels", self.root, len(self.urls))
+            logger.warning("shard index %s names no classes: reading its %d shards for their labels (name them in "
+                           "its 'classes' key to start without that)", self.root, len(self.urls))
             self._classes = _classes(np.asarray(self.labels))
         return self._classes
 
@@ -266,10 +269,14 @@ class _LazyShards(_Shards):
         found = self.loaded.get(s)
         if found is not None:
             return found
+        url = self.index.urls[s]
+        if is_url(url):  # outside the lock: threads fetch other shards meanwhile (each shard has its node lock)
+            path = fetched([url])[0]
+            self._start_behind()
+        else:
+            path = url
         with self._lock:  # a prep actor's threads read one piece's samples together
             if s not in self.loaded:
-                url = self.index.urls[s]
-                path = fetched([url])[0] if is_url(url) else local_path(url)
                 if not os.path.isfile(path):
                     raise DatasetError(f"shard {url}, listed in the shard index {self.index.origin}, does not exist; "
                                        "fix its url in the index (relative to the index's folder or base_path)")
@@ -290,9 +297,18 @@ class _LazyShards(_Shards):
         remote = [self.index.urls[s] for s in sorted(set(shards)) if s not in self.loaded and is_url(self.index.urls[s])]
         if len(remote) > 1:  # one is fetched by its first read
             fetched(remote)
-        if remote and self._behind is None:  # the first piece's shards are here: the others follow behind
-            self._behind = threading.Thread(target=self._fetch_behind, name="coordprep-shards-behind", daemon=True)
-            self._behind.start()
+            self._start_behind()
+
+    def _start_behind(self) -> None:
+        """Once per process, the first shards being here: the others follow behind, in a thread (not in
+        a DataLoader worker: its trial's own process does that, and the workers come and go)."""
+        torch = sys.modules.get("torch")
+        if self._behind is not None or (torch is not None and torch.utils.data.get_worker_info() is not None):
+            return
+        with self._lock:
+            if self._behind is None:
+                self._behind = threading.Thread(target=self._fetch_behind, name="coordprep-shards-behind", daemon=True)
+                self._behind.start()
 
     def _fetch_behind(self) -> None:
         """Every shard of the index into the node's shard cache, in the background of this process (a
@@ -323,6 +339,7 @@ class _LazyLabels:
         return np.asarray(self)[index]
 
     def __array__(self, dtype=None, copy=None):
+        self._shards.ensure(range(len(self._shards.index.counts)))  # fetched together, not one after another
         every = np.concatenate([self._shards.shard(s).labels for s in range(len(self._shards.index.counts))])
         return every if dtype is None else every.astype(dtype)
 
