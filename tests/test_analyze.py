@@ -87,7 +87,9 @@ def test_a_trainable_without_a_model_needs_step_ms(small_dataset, tmp_path, caps
 
 @pytest.mark.parametrize("args, named", [(["--samples", "1"], "--samples"), (["--cores", "0"], "--cores"),
                                          (["--step-ms", "0"], "--step-ms"), (["--trials", "0,4"], "--trials"),
-                                         (["--trials", "four"], "--trials"), (["--run-samples", "1"], "--run-samples")])
+                                         (["--trials", "four"], "--trials"), (["--run-samples", "1"], "--run-samples"),
+                                         (["--samples", "20"], "--samples=20 gives 20 samples, fewer than two batches "
+                                                               "of 16 (search_space.batch_size); raise --samples")])
 def test_bad_arguments_are_named(small_dataset, tmp_path, capsys, args, named):
     assert main(["analyze", _experiment(tmp_path, small_dataset), *args]) == 2
     assert named in capsys.readouterr().err

@@ -104,6 +104,10 @@ def analyze(cfg: SweepConfig, *, samples: int = 512, cores: int | None = None, s
     preprocessor = make_preprocessor(spec.pipeline)  # type: ignore[arg-type]
     train_ids, _ = holdout_split(len(source), spec.holdout)
     ids = measure.sample_ids(train_ids, samples, spec.seed)
+    if len(ids) < 2 * batch_size:  # the runs time every batch after the first: with one, nothing
+        raise ConfigError(f"analyze: --samples={samples} gives {len(ids)} samples, fewer than two batches of "
+                          f"{batch_size} (search_space.batch_size); raise --samples to at least {2 * batch_size}"
+                          + (" or use a dataset with more training samples" if len(ids) < samples else ""))
     size = spec.pipeline.size  # type: ignore[union-attr]
     logger.info("analyze: measuring bandwidths")
     if disk_probe_dir is None:
