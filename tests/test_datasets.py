@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import threading
 
 import numpy as np
@@ -151,6 +154,38 @@ def test_a_worker_whose_read_hangs_fails_the_loader_after_fetch_timeout_s_naming
     spec = DataSpec(dataset=Hanging(), coordinated=False, holdout=0.0, chunk_size=8, fetch_timeout_s=1.0)
     with pytest.raises(PrepError, match=r"piece \d+: no worker process had it ready within data.fetch_timeout_s=1 s"):
         list(train_loader(spec, 8, epochs=1, num_workers=1))
+
+
+class Killing:
+    """Sample 13's ``__getitem__`` kills its process, as the kernel's OOM killer would a worker's."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int):
+        if i == 13:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return np.full(4, i, np.float32), i
+
+
+def test_a_worker_killed_off_the_main_thread_fails_the_loader_naming_the_piece_not_after_the_timeout():
+    """Tune runs a trainable in a thread, where DataLoader's SIGCHLD check is not installed: the loader
+    checks its workers every few seconds, so the death is named, not a timeout after fetch_timeout_s."""
+    spec = DataSpec(dataset=Killing(), coordinated=False, holdout=0.0, chunk_size=8, fetch_timeout_s=120.0)
+    raised: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            list(train_loader(spec, 8, epochs=1, num_workers=1))
+        except BaseException as e:  # handed to the test's thread
+            raised.append(e)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    reader.join(timeout=100)
+    assert not reader.is_alive() and len(raised) == 1, raised
+    assert isinstance(raised[0], PrepError), raised[0]
+    assert re.search(r"piece \d+: a worker process preparing it died .*lower the loader's num_workers", str(raised[0]))
 
 
 def test_torchvision_exclusions_hold():

@@ -40,8 +40,9 @@ from coordinated_prep.errors import CoordinatedPrepError, PrepError
 from coordinated_prep.pipeline.chunk import PreparedChunk, prepare_chunk
 from coordinated_prep.pipeline.structure import Layout
 
-
 logger = logging.getLogger(__name__)
+
+_LIVENESS_S = 5.0  # how often a wait for a piece checks that the worker processes are alive
 
 #: Name prefixes of the threads gRPC (under Ray) starts, as ``/proc/self/task/*/comm`` shows them.
 _GRPC_THREADS = ("grpc_", "event_engine", "gcs_client", "default-executo", "resolver-execut", "timer_manager")
@@ -156,7 +157,7 @@ class WorkerPieces:
         loader = DataLoader(self._dataset, batch_size=None, sampler=itertools.count(g), num_workers=self._workers,
                             prefetch_factor=self._prefetch, collate_fn=_identity, persistent_workers=False,
                             multiprocessing_context=self._context, generator=torch.Generator(),
-                            timeout=self._timeout_s)
+                            timeout=min(self._timeout_s, _LIVENESS_S))
         self._it, self._next = iter(loader), g
 
     def next(self, g: int) -> PreparedChunk:
@@ -164,15 +165,22 @@ class WorkerPieces:
         if self._it is None or g != self._next:
             self.start(g)
         self._next += 1
-        try:
-            shipped = next(self._it)  # type: ignore[arg-type]
-        except RuntimeError as e:
-            if "timed out" not in str(e):
-                raise
-            self.close()
-            raise PrepError(f"piece {g}: no worker process had it ready within data.fetch_timeout_s="
-                            f"{self._timeout_s:g} s ({e}); its storage may hang (check that it answers), or raise "
-                            "fetch_timeout_s if one piece takes that long to prepare") from None
+        waited = 0.0
+        while True:  # each wait short: a DataLoader checks its workers are alive only when one times out (off
+            try:     # its main thread, where Tune runs a trainable, no SIGCHLD handler does it)
+                shipped = next(self._it)  # type: ignore[arg-type]
+                break
+            except RuntimeError as e:
+                waited += min(self._timeout_s, _LIVENESS_S)
+                if "timed out" in str(e) and waited < self._timeout_s:
+                    continue  # the iterator resumes where it was
+                self.close()
+                if "timed out" not in str(e):
+                    raise PrepError(f"piece {g}: a worker process preparing it died ({e}); it may have run out of "
+                                    "memory: lower the loader's num_workers or the pieces' size (data.chunk_size)") from None
+                raise PrepError(f"piece {g}: no worker process had it ready within data.fetch_timeout_s="
+                                f"{self._timeout_s:g} s ({e}); its storage may hang (check that it answers), or raise "
+                                "fetch_timeout_s if one piece takes that long to prepare") from None
         if len(shipped) == 1:
             self.close()
             raise shipped[0]  # the SampleError or StructureError, as the reading process would raise it
