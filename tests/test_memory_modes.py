@@ -119,6 +119,34 @@ def test_evaluation_runs_the_plain_forward():
         assert torch.equal(plain(x), checkpointed(x))
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_copy_of_a_model_in_a_memory_mode_runs_its_own_modules_and_pickles(name):
+    """An EMA or SWA model is a deepcopy of the model: its forward must run the copy's weights, in
+    training (checkpointed) and in evaluation; and the model pickles (torch.save)."""
+    import copy
+    import io
+
+    build, config, size = MODELS[name]
+    torch.manual_seed(0)
+    plain = build(5, config)
+    model = apply_memory(copy.deepcopy(plain), "checkpoint")
+    ema, plain_ema = copy.deepcopy(model), copy.deepcopy(plain)
+    with torch.no_grad():
+        for p, q in zip(ema.parameters(), plain_ema.parameters()):
+            p.mul_(0.5)
+            q.mul_(0.5)
+    x = torch.randn(2, 3, size, size)
+    for train in (True, False):
+        ema.train(train), plain_ema.train(train)
+        assert torch.allclose(ema(x), plain_ema(x), atol=1e-6), f"train={train}: the copy ran the original's modules"
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model.eval()(x))
+
+
 def test_choose_takes_the_most_cost_per_byte_that_fits():
     ops = [OpRecord(0, "conv", 0, 100, 10_000.0, True), OpRecord(0, "relu", 0, 100, 100.0, True),
            OpRecord(1, "conv", 0, 50, 9_000.0, True), OpRecord(1, "mm", 0, 10, 50_000.0, False),

@@ -78,12 +78,34 @@ def _saving(saves: frozenset[tuple[Any, int]]) -> Any:
 
 
 class _MemoryForward:
-    """The replacement ``forward``: the stages, checkpointed in training as ``mode`` says."""
+    """The replacement ``forward``: the stages, checkpointed in training as ``mode`` says.
+
+    The stages are functions of the model's own modules, so a copy of the model (``copy.deepcopy``:
+    an EMA or SWA model) or its pickle (``torch.save``) carries only the model and the mode, and
+    splits its own modules into stages on its first forward.
+    """
 
     def __init__(self, model: nn.Module, stages: list[Stage], mode: MemoryMode) -> None:
-        self._model, self._stages, self.mode = model, stages, mode
-        self._norms = [batch_norms(s.modules) for s in stages]
+        self._model, self.mode = model, mode
+        self._split: tuple[list[Stage], list[list[nn.Module]]] | None = (stages, [batch_norms(s.modules) for s in stages])
         self.plans: dict[tuple[Any, ...], BudgetPlan] = {}  # per input shape, dtype and device
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_model": self._model, "mode": self.mode, "_split": None, "plans": {}}
+
+    @property
+    def _stages(self) -> list[Stage]:
+        return self._stages_and_norms()[0]
+
+    @property
+    def _norms(self) -> list[list[nn.Module]]:
+        return self._stages_and_norms()[1]
+
+    def _stages_and_norms(self) -> tuple[list[Stage], list[list[nn.Module]]]:
+        if self._split is None:  # a copy's: its own modules
+            stages = split_stages(self._model)
+            self._split = (stages, [batch_norms(s.modules) for s in stages])
+        return self._split
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not (self._model.training and torch.is_grad_enabled()):
