@@ -155,7 +155,10 @@ def _best(args: argparse.Namespace) -> int:
                                      "metrics": best.metrics, "path": best.path}, indent=1, default=str) + "\n")
         return 0
     which = f"Trial {best.trial}" if args.trial else "Best trial"
-    scores = ", ".join(f"{k}={v}" for k, v in best.metrics.items() if k in ("accuracy", "loss", args.metric))
+    from coordinated_prep.tune.results import ranked_by
+
+    shown = ("accuracy", "loss", args.metric, ranked_by(args.path))  # and the metric the sweep ranks by
+    scores = ", ".join(f"{k}={v}" for k, v in best.metrics.items() if k in shown)
     lines = [f"{which}: {best.trial}  {scores}", f"config: {best.config}", f"data: {best.data!r}", "",
              "Train it again without Tune (the loader prepares the data in its own process):",
              "  from coordinated_prep import best_trial, train_loader",

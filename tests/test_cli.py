@@ -121,6 +121,8 @@ def test_a_tiny_sweep_prints_and_writes_its_summary(ray_session, small_dataset, 
     assert sum(len(b) for b in again) == group["samples_per_epoch"]
     assert main(["best", sweep_dir, "--trial", "nope"]) == 2
     assert "no trial 'nope'" in capsys.readouterr().err
+    assert main(["best", sweep_dir, "--mode", "min"]) == 2  # the worst accuracy, labelled best: refused
+    assert "mode='min' would rank the sweep's own metric 'accuracy' the other way" in capsys.readouterr().err
 
 
 def test_quiet_turns_the_progress_line_off(monkeypatch, capsys):
@@ -212,12 +214,30 @@ def test_the_summary_says_where_sharing_did_not_pay_and_why():
     groups = {"aaa": {"samples_prepared": 100, "samples_served": 200, "starts": {"t1": 0, "t2": 0}},
               "bbb": {"samples_prepared": 100, "samples_served": 100, "starts": {"t3": 0}},
               "ccc": {"samples_prepared": 200, "samples_served": 210, "starts": {"t4": 0, "t5": 9}},
-              "ddp": {"samples_prepared": 100, "samples_served": 100, "starts": {"t6": 0}, "trials_joined": 2}}
+              "ddp": {"samples_prepared": 100, "samples_served": 100, "starts": {"t6": 0}, "trials_joined": 2},
+              "eee": {"samples_prepared": 300, "samples_served": 300, "starts": {"t7": 0, "t7#2": 10, "t7#3": 20}}}
     text = format_summary(build_summary([{"trial": "t1", "status": "TERMINATED"}], groups, "accuracy", "max"))
     assert "Group aaa" not in text  # 2.00x: it paid
     assert "Group bbb: saving 1.00x; one trial read it" in text
     assert "Group ccc: saving 1.05x; 2 trials read it, but seldom at the same time" in text
     assert "Group ddp: saving 1.00x; one trial read it" in text  # one trial's two ranks split its epoch
+    assert "Group eee: saving 1.00x; one trial read it" in text  # one trial's loader made anew each epoch
+
+
+def test_the_summary_ranks_numpy_scores_and_says_a_resumed_runs_figures_are_below_the_trials():
+    import numpy as np
+
+    from coordinated_prep.sweep.summary import build_summary, format_summary
+
+    rows = [{"trial": "t1", "status": "TERMINATED", "loss": np.float32(0.5)},
+            {"trial": "t2", "status": "TERMINATED", "loss": np.float64(0.25)}]
+    groups = {"aaa": {"samples_prepared": 100, "samples_served": 200, "starts": {"t1": 0, "t2": 0}}}
+    summary = build_summary(rows, groups, "loss", "min")
+    assert summary["best_trial"]["trial"] == "t2"
+    summary["resumed"] = True
+    lines = format_summary(summary).splitlines()
+    note = next(k for k, line in enumerate(lines) if line.startswith("Resumed:"))
+    assert any(line.startswith("t2") for line in lines[:note]) and any(line.startswith("aaa") for line in lines[note:])
 
 
 def test_the_summary_says_how_each_nodes_pool_grew_and_why():

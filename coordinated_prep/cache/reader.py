@@ -100,6 +100,8 @@ class CachedSource:
             owners[mine if snap.frozen else np.asarray(served, dtype=np.int64)] = -1
             self.cache_hits += hits
             metrics.inc("cache_hits", hits, node=self._node[:16], where="local")
+            if snap.frozen:  # the rest of this node's part: misses the cache is not asked about
+                metrics.inc("cache_misses", len(mine) - hits, node=self._node[:16])
         asks = []
         for owner in np.unique(owners).tolist():
             handle = self._handle(owner)

@@ -312,7 +312,7 @@ class Coordinator(Producer):
             n = n * int(self.part_masks[self.parts[trial]][planned].sum()) // max(len(planned), 1)
         if _counts_served(trial):
             self.stats["samples_served"] += n
-            metrics.inc("samples_served", n, group=self.group, trial=trial)
+            metrics.inc("samples_served", n, group=self.group, trial=trial_of(trial))
         await self._notify()
         return {"status": "ok", "ref": ref}
 

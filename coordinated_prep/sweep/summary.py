@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from typing import Any, Mapping, Sequence
 
 from coordinated_prep.pipeline.part import PART_FIELDS
+from coordinated_prep.stream.watch import trial_of
 
 _TRIAL_COLUMNS = ("trial", "status", "epochs", "metric", "stall_fraction", "batch_size")
+
+
+def is_score(value: Any) -> bool:
+    """A reported number a sweep can rank by: any real number (numpy's too), not a bool, not NaN."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
 
 
 def build_summary(trials: Sequence[Mapping[str, Any]], groups: Mapping[str, Mapping[str, Any]],
@@ -20,8 +27,7 @@ def build_summary(trials: Sequence[Mapping[str, Any]], groups: Mapping[str, Mapp
     """Assemble the summary from per-trial rows and the searcher's reports (data groups, node caches,
     evaluation sets, decoded tiers, node prep pools); ``coordinated``: whether the sweep ran a prep pool
     (``data.coordinated``)."""
-    scored = sorted((t for t in trials if isinstance(t.get(metric), (int, float)) and not math.isnan(t[metric])),
-                    key=lambda t: str(t.get("trial")))
+    scored = sorted((t for t in trials if is_score(t.get(metric))), key=lambda t: str(t.get("trial")))
     # the first of equals in trial-id order (as ``coordprep best`` picks)
     best = (max if mode == "max" else min)(scored, key=lambda t: t[metric]) if scored else None
     group_rows = {}
@@ -91,6 +97,9 @@ def format_summary(summary: Mapping[str, Any]) -> str:
          for t in summary["trials"]],
     ))
     lines.append("")
+    if summary.get("resumed"):
+        lines.append("Resumed: the trials above are the whole sweep's; the figures below are this run's.")
+        lines.append("")
     rows = []
     searched = any(g.get("searched") for g in summary["groups"].values())
     for key, g in summary["groups"].items():
@@ -112,9 +121,6 @@ def format_summary(summary: Mapping[str, Any]) -> str:
         why = (f"{failed} of {len(summary['trials'])} trials failed; their errors are above" if failed
                else "no report of its data groups was kept")
         lines.append(f"No data group reported: the sweep was coordinated, but no trial read shared data ({why}).")
-    if summary.get("resumed"):
-        lines.append("")
-        lines.append("Resumed: the trials above are the whole sweep's; the figures below are this run's.")
     evals = summary.get("evaluation") or {}
     if evals:
         lines.append("")
@@ -190,7 +196,8 @@ def sharing_notes(groups: Mapping[str, Mapping[str, Any]]) -> list[str]:
     notes = []
     for key, g in groups.items():
         saving = g.get("saving")
-        joined = len(g.get("starts") or {}) or g.get("trials_joined", 0)  # trials (a data-parallel trial's ranks once)
+        # trials (a data-parallel trial's ranks once, a trial's loaders ``T#k`` once)
+        joined = len({trial_of(k) for k in g.get("starts") or {}}) or g.get("trials_joined", 0)
         if saving is None or saving >= 1.5:
             continue
         if joined <= 1:

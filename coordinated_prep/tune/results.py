@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -72,6 +73,9 @@ def best_trial(path: str, trial: str | None = None, metric: str | None = None,
     if metric is not None and metric != saved.get("metric") and mode is None:
         raise ConfigError(f"{path}: metric={metric!r} is not the sweep's own ({saved.get('metric')!r}); say whether "
                           "lower or higher is better with mode='min' or 'max' (--mode)")
+    if metric in (None, saved.get("metric")) and mode is not None and saved.get("mode") not in (None, mode):
+        raise ConfigError(f"{path}: mode={mode!r} would rank the sweep's own metric {saved.get('metric')!r} the other "
+                          f"way from its mode {saved.get('mode')!r}; give the metric it goes with (--metric)")
     metric = metric or saved.get("metric")
     mode = mode or saved.get("mode")
     if not metric or mode not in ("min", "max"):
@@ -122,6 +126,11 @@ def _trials(path: str) -> list[TrialResult]:
     return out
 
 
+def ranked_by(path: str) -> str | None:
+    """The metric the sweep saved in ``path`` ranks its trials by (None if none is saved)."""
+    return _saved(path).get("metric")
+
+
 def _saved(path: str) -> dict[str, Any]:
     saved = saved_reports(path)
     if saved.get("metric"):
@@ -134,7 +143,7 @@ def _saved(path: str) -> dict[str, Any]:
 
 
 def _number(value: Any) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value):
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value):  # numpy's too
         return float(value)
     return None
 
