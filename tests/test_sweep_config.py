@@ -213,9 +213,15 @@ def test_hyperband_is_our_fixed_scheduler_run_for_the_sweeps_epochs(tmp_path):
 
 
 def test_pbt_mutates_search_space_keys_through_tune_domains(tmp_path):
-    cfg = _with(tmp_path, "scheduler: {type: pbt, perturbation_interval: 2, quantile_fraction: 0.5, "
-                          "resample_probability: 0, synch: true, hyperparam_mutations: "
-                          "{lr: {loguniform: [0.001, 0.1]}, batch_size: {choice: [16, 32]}, depth: {randint: [1, 3]}}}")
+    """A trainable of the user's (module:function) may move any search-space key; a registered one not
+    batch_size or depth, which its checkpoint fixes (the schedule's length, the model's shape)."""
+    line = ("scheduler: {type: pbt, perturbation_interval: 2, quantile_fraction: 0.5, resample_probability: 0, "
+            "synch: true, hyperparam_mutations: {lr: {loguniform: [0.001, 0.1]}, batch_size: {choice: [16, 32]}, "
+            "depth: {randint: [1, 3]}}}")
+    with pytest.raises(ConfigError, match=r"scheduler.hyperparam_mutations.batch_size: trainable 'small_cnn' cannot "
+                                          r"change batch_size in a running trial"):
+        _with(tmp_path, line)
+    cfg = _with(tmp_path, line, GOOD.replace("trainable: small_cnn", "trainable: trainables.small_cnn:train"))
     assert cfg.scheduler == PBTSpec(hyperparam_mutations={"lr": Dimension("loguniform", (0.001, 0.1)),
                                                           "batch_size": Dimension("choice", (16, 32)),
                                                           "depth": Dimension("randint", (1, 3))},
@@ -258,7 +264,7 @@ def test_pb2_builds_rays_pb2(tmp_path):
     ("{type: pbt, hyperparam_mutations: {lrr: {uniform: [0.01, 0.1]}}}",
      r"scheduler.hyperparam_mutations.lrr: 'lrr' is not a search_space key"),
     ("{type: pbt, hyperparam_mutations: {batch_size: {choice: [0, 16]}}}",
-     r"scheduler.hyperparam_mutations.batch_size: 0 must be an integer >= 1 \(trainable 'small_cnn'\)"),
+     r"scheduler.hyperparam_mutations.batch_size: trainable 'small_cnn' cannot change batch_size in a running"),
     ("{type: pbt, perturbation_interval: 0, hyperparam_mutations: {lr: {uniform: [0.01, 0.1]}}}",
      r"scheduler.perturbation_interval=0 must be an integer >= 1"),
     ("{type: pbt, quantile_fraction: 0.6, hyperparam_mutations: {lr: {uniform: [0.01, 0.1]}}}",
@@ -289,7 +295,7 @@ def test_scheduler_mistakes_name_the_key(tmp_path, line, message):
     ("{type: pb2, hyperparam_bounds: {lrr: [0.01, 0.1]}}",
      r"scheduler.hyperparam_bounds.lrr: 'lrr' is not a search_space key"),
     ("{type: pb2, hyperparam_bounds: {batch_size: [0, 32]}}",
-     r"scheduler.hyperparam_bounds.batch_size: 0 must be an integer >= 1"),
+     r"scheduler.hyperparam_bounds.batch_size: trainable 'small_cnn' cannot change batch_size"),
     ("{type: pb2, synch: true, hyperparam_bounds: {lr: [0.01, 0.1]}}",
      r"scheduler \(pb2\): unknown key\(s\) \['synch'\]; allowed: \['type', 'hyperparam_bounds', "
      r"'perturbation_interval', 'quantile_fraction'\]"),

@@ -110,3 +110,42 @@ def test_echoed_steps_follow_the_schedule_of_fresh_samples_and_end_it_exactly(ec
         assert r["steps"] >= 2 * per_epoch - 1 and r["samples"] == 2 * fresh
     assert echoing.reports[-1]["fresh_samples_total"] == 2 * fresh
     assert echoing.reports[-1]["echoed_samples_total"] == 2 * fresh
+
+
+def test_the_schedule_keeps_ranks_in_step_whatever_rows_each_holds():
+    """A data-parallel trial's ranks take as many steps; one whose rows include pads (a sample skipped on
+    its node) or echoes has fewer fresh ones. The schedule follows the steps, so both ranks train at
+    one learning rate (each rank's own fresh count put them a step apart)."""
+    from types import SimpleNamespace
+
+    from trainables.training import Recipe
+
+    class Plain(Recipe):  # the abstract parts unused here
+        build = evaluate = metrics = step = loader = None
+
+    class Rank:  # a rank's loader after 3 batches of 8 of its epoch of 5
+        fresh_batches_per_epoch = 5
+
+        def __init__(self, fresh: int) -> None:
+            self.epoch_counts = SimpleNamespace(fresh=fresh)
+
+        def __len__(self) -> int:
+            return 5
+
+    steps = [Plain().schedule_step(Rank(fresh), SimpleNamespace(steps=3), 8) for fresh in (8 * 3 - 3, 8 * 3)]
+    assert steps == [3, 3], "rank 0 held 3 pads, rank 1 none: one schedule"
+
+
+def test_the_schedule_cycles_below_the_configured_momentum_and_takes_four_steps():
+    from trainables.training import one_cycle
+
+    model = torch.nn.Linear(2, 2)
+    for momentum, total in ((0.5, 4), (0.99, 9)):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+        scheduler = one_cycle(optimizer, {"lr": 0.1, "momentum": momentum}, total)  # 4: once a division by zero
+        used = []
+        for _ in range(total):
+            optimizer.step()
+            scheduler.step()
+            used.append(optimizer.param_groups[0]["momentum"])
+        assert max(used) <= momentum and min(used) >= min(0.85, momentum), (momentum, used)

@@ -62,9 +62,16 @@ class Recipe(abc.ABC):
         """What epoch ``epoch`` (from 1) reports, from :func:`run_epoch`'s ``train``, ``held_out`` and the loader."""
 
     def schedule_step(self, loader: Any, timing: Timing, batch_size: int) -> int:
-        """Where the schedule stands within the epoch after a batch: one step per batch's worth of fresh
-        samples, so echoed or extra-view batches neither stretch nor overrun it."""
-        return loader.epoch_counts.fresh // batch_size
+        """Where the schedule stands within the epoch after a batch: its share of the epoch's batches in
+        fresh batches, so echoed or extra-view batches neither stretch nor overrun it, and the ranks of a
+        data-parallel trial, which take as many steps whatever rows each holds (pads, echoes), keep one
+        schedule (each rank's own fresh rows would put them a step apart: DDP would then average
+        gradients taken at different learning rates)."""
+        try:
+            batches = len(loader)
+        except TypeError:  # echo="auto": its epoch's batches are not known ahead (never with ranks)
+            return loader.epoch_counts.fresh // batch_size
+        return timing.steps * loader.fresh_batches_per_epoch // max(batches, 1)
 
 
 @dataclass(frozen=True)
@@ -116,8 +123,7 @@ def train(config: Mapping[str, Any], recipe: Recipe, session: Session | None = N
     loss_fn = nn.CrossEntropyLoss()
     with recipe.loader(config, batch_size, epochs - done) as loader:
         per_epoch = loader.fresh_batches_per_epoch  # schedule steps per epoch: fresh batches, echoes aside
-        scheduler = torch.optim.lr_scheduler.OneCycleLR(
-            s.optimizer, max_lr=float(config["lr"]), total_steps=epochs * per_epoch, pct_start=0.25)
+        scheduler = one_cycle(s.optimizer, config, epochs * per_epoch)
         if state:
             _load(state, s.core, s.optimizer, scheduler, config)
         for epoch in range(done, epochs):
@@ -154,6 +160,19 @@ def make_optimizer(model: nn.Module, config: Mapping[str, Any]) -> torch.optim.O
                            weight_decay=float(config.get("weight_decay", 5e-4)), nesterov=True)
 
 
+def one_cycle(optimizer: torch.optim.Optimizer, config: Mapping[str, Any], total_steps: int) -> Any:
+    """The one-cycle schedule to ``lr`` over ``total_steps``; its momentum cycles below the config's
+    ``momentum`` where it is given (OneCycleLR's own 0.85 to 0.95 would overwrite it)."""
+    momentum = {}
+    if "momentum" in config:
+        m = float(config["momentum"])
+        momentum = {"max_momentum": m, "base_momentum": min(0.85, m)}
+    # a warm-up of exactly one step is a division by zero in OneCycleLR (4 steps at 0.25)
+    pct_start = 0.25 if total_steps * 0.25 != 1 else 0.3
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=float(config["lr"]), total_steps=total_steps,
+                                               pct_start=pct_start, **momentum)
+
+
 def _advance(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> None:
     """Step ``scheduler`` up to schedule step ``step`` (no further than its end)."""
     while scheduler.last_epoch < min(step, scheduler.total_steps):  # type: ignore[attr-defined]
@@ -171,8 +190,10 @@ def _load(state: Mapping[str, Any], model: nn.Module, optimizer: torch.optim.Opt
         for key in ("lr", "initial_lr", "max_lr", "min_lr"):
             group[key] *= scale
         group["weight_decay"] = float(config.get("weight_decay", 5e-4))
+        if "momentum" in config and "max_momentum" in group:  # PBT may have changed it too
+            group["max_momentum"], group["base_momentum"] = float(config["momentum"]), min(0.85, float(config["momentum"]))
     scheduler.base_lrs = [lr * scale for lr in scheduler.base_lrs]
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
 
 
-__all__ = ["Recipe", "Setup", "make_optimizer", "on_workers", "run_epoch", "setup", "train"]
+__all__ = ["Recipe", "Setup", "make_optimizer", "on_workers", "one_cycle", "run_epoch", "setup", "train"]

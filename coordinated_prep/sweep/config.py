@@ -87,6 +87,8 @@ TRAINABLE_KEYS = {"lr": (False, 0.0, True), "batch_size": (True, 1, True), "epoc
 #: Every key the registered trainables read from a trial's config (``trainables/``), besides ``data.*``.
 READ_KEYS = (*TRAINABLE_KEYS, "memory", "echo", "model_seed", "momentum", "weight_decay", "eval_batch_size",
              "torch_threads", "cpu_per_worker", "gpu_per_worker", "gpu_memory_fraction", "depth", "num_classes")
+#: Keys a checkpoint fixes (the model's shape, the schedule's length): PBT and PB2 cannot move them.
+FIXED_BY_CHECKPOINT = ("batch_size", "epochs", "width", "depth", "workers", "num_classes")
 RAY_KEYS = ("num_cpus", "object_store_memory", "include_dashboard", "dashboard_host", "metrics_export_port",
             "node_ip_address")
 
@@ -289,6 +291,10 @@ def _check_trainable_keys(space: Mapping[str, Any], trainable: str, scheduler: S
         moves = {f"hyperparam_bounds.{k}": (k, Dimension("uniform", tuple(v)))
                  for k, v in scheduler.hyperparam_bounds.items()}
     for where, (key, value) in moves.items():
+        if key in FIXED_BY_CHECKPOINT:
+            raise ConfigError(f"scheduler.{where}: trainable {trainable!r} cannot change {key} in a running trial (a "
+                              "checkpoint holds the model's shape and the schedule's length); search it in "
+                              "search_space and let PBT move lr, momentum or weight_decay")
         if key in TRAINABLE_KEYS:
             _check_trainable_values(f"scheduler.{where}", key, value, trainable)
         elif key == "memory":
