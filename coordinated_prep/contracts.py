@@ -40,6 +40,22 @@ class BatchSource(DataSource, Protocol):
         ...
 
 
+
+def read_many(source: DataSource, indices: Sequence[int]) -> list[Any]:
+    """Per index, its encoded bytes or the SampleError reading it raised: in one call where ``source``
+    reads many (a :class:`BatchSource`: a node cache, a shard index fetching a piece's shards together)."""
+    from coordinated_prep.errors import SampleError
+
+    if hasattr(source, "read_many"):  # not isinstance(BatchSource): that would ask for every member (classes)
+        return source.read_many(indices)
+    out: list[Any] = []
+    for index in indices:
+        try:
+            out.append(source.read(index))
+        except SampleError as e:
+            out.append(e)
+    return out
+
 class Preprocessor(Protocol):
     """Turns encoded samples into uint8 arrays of shape (3, size, size).
 

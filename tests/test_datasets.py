@@ -185,7 +185,8 @@ def test_a_worker_killed_off_the_main_thread_fails_the_loader_naming_the_piece_n
     reader.join(timeout=100)
     assert not reader.is_alive() and len(raised) == 1, raised
     assert isinstance(raised[0], PrepError), raised[0]
-    assert re.search(r"piece \d+: a worker process preparing it died .*lower the loader's num_workers", str(raised[0]))
+    assert re.search(r"piece \d+: worker process\(es\) \[\d+\] preparing it died .*lower the loader's num_workers",
+                     str(raised[0])), raised[0]
 
 
 def test_torchvision_exclusions_hold():

@@ -13,7 +13,7 @@ from coordinated_prep.cache.actor import Region, Snapshot
 from coordinated_prep.cache.arena import ArenaReader
 from coordinated_prep.cache.layout import CacheLayout
 from coordinated_prep.cache.spec import CacheSpec
-from coordinated_prep.contracts import DataSource
+from coordinated_prep.contracts import DataSource, read_many
 from coordinated_prep.errors import SampleError
 from coordinated_prep.naming import NAMESPACE
 
@@ -146,15 +146,7 @@ class CachedSource:
             return []
         self.storage_reads += len(indices)
         metrics.inc("storage_reads", len(indices), node=self._node[:16], reader="prep")
-        if hasattr(self._source, "read_many"):
-            return self._source.read_many(indices)
-        found: list[Any] = []
-        for index in indices:
-            try:
-                found.append(self._source.read(index))
-            except SampleError as e:
-                found.append(e)
-        return found
+        return read_many(self._source, indices)
 
     def _refresh_snapshot(self, owner: int) -> None:
         """Take a new snapshot of this node's cached set (the cache had hits the old one lacked)."""

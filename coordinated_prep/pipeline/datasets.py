@@ -19,7 +19,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from coordinated_prep.errors import ConfigError, SampleError
+from coordinated_prep.contracts import read_many
+from coordinated_prep.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -244,15 +245,7 @@ class EncodedImages:
 
     def read_many(self, indices: Sequence[int]) -> list[Any]:
         """Per index, its encoded bytes or the SampleError reading it raised."""
-        if hasattr(self.source, "read_many"):
-            return self.source.read_many(indices)
-        out: list[Any] = []
-        for index in indices:
-            try:
-                out.append(self.source.read(index))
-            except SampleError as e:
-                out.append(e)
-        return out
+        return read_many(self.source, indices)
 
     def decode(self, data: Any, index: int) -> tuple[Any, int]:
         """``(image, label)`` of encoded ``data`` (any format torchvision decodes: JPEG, PNG, ...)."""

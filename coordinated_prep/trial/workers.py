@@ -170,14 +170,19 @@ class WorkerPieces:
             try:     # its main thread, where Tune runs a trainable, no SIGCHLD handler does it)
                 shipped = next(self._it)  # type: ignore[arg-type]
                 break
-            except RuntimeError as e:
+            except (RuntimeError, OSError, EOFError) as e:  # a dead worker's pipe may reset, or end, mid-message
                 waited += min(self._timeout_s, _LIVENESS_S)
-                if "timed out" in str(e) and waited < self._timeout_s:
+                timed_out = isinstance(e, RuntimeError) and "timed out" in str(e)
+                if timed_out and waited < self._timeout_s:
                     continue  # the iterator resumes where it was
+                dead = [w.pid for w in getattr(self._it, "_workers", []) if not w.is_alive()]
                 self.close()
-                if "timed out" not in str(e):
-                    raise PrepError(f"piece {g}: a worker process preparing it died ({e}); it may have run out of "
-                                    "memory: lower the loader's num_workers or the pieces' size (data.chunk_size)") from None
+                if not timed_out and not dead:
+                    raise  # the dataset's own error, raised in a worker
+                if dead:
+                    raise PrepError(f"piece {g}: worker process(es) {dead} preparing it died ({e!r}); one may have run "
+                                    "out of memory: lower the loader's num_workers or the pieces' size "
+                                    "(data.chunk_size)") from None
                 raise PrepError(f"piece {g}: no worker process had it ready within data.fetch_timeout_s="
                                 f"{self._timeout_s:g} s ({e}); its storage may hang (check that it answers), or raise "
                                 "fetch_timeout_s if one piece takes that long to prepare") from None
