@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import warnings
@@ -175,10 +176,16 @@ class WorkerPieces:
                 timed_out = isinstance(e, RuntimeError) and "timed out" in str(e)
                 if timed_out and waited < self._timeout_s:
                     continue  # the iterator resumes where it was
-                dead = [w.pid for w in getattr(self._it, "_workers", []) if not w.is_alive()]
+                if "in DataLoader worker process" in str(e):  # the dataset's own error, raised in a worker
+                    self.close()
+                    raise
+                workers = getattr(self._it, "_workers", [])
+                if not timed_out and workers:  # a broken pipe: its worker is ending (its files close first)
+                    multiprocessing.connection.wait([w.sentinel for w in workers], timeout=_LIVENESS_S)
+                dead = [w.pid for w in workers if not w.is_alive()]
                 self.close()
                 if not timed_out and not dead:
-                    raise  # the dataset's own error, raised in a worker
+                    raise
                 if dead:
                     raise PrepError(f"piece {g}: worker process(es) {dead} preparing it died ({e!r}); one may have run "
                                     "out of memory: lower the loader's num_workers or the pieces' size "
