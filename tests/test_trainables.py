@@ -68,6 +68,9 @@ def test_a_resumed_trial_goes_on_from_its_checkpointed_epoch_and_schedule(_confi
     small_cnn.fit(_config(), small_cnn.build, resumed)
     assert [r["epoch"] for r in resumed.reports] == [2, 3]
     assert sum(r["samples"] for r in resumed.reports) == sum(r["samples"] for r in whole.reports[1:])
+    # The whole trial's counts go on from the checkpoint's (the first epoch's samples are not lost).
+    assert [r["fresh_samples_total"] for r in resumed.reports] == [r["fresh_samples_total"] for r in whole.reports[1:]]
+    assert resumed.reports[-1]["echoed_samples_total"] == whole.reports[-1]["echoed_samples_total"]
     # The schedule went on from the checkpoint's step, not from its start.
     assert resumed.states[-1]["scheduler"]["last_epoch"] == whole.states[-1]["scheduler"]["last_epoch"]
     for mine, theirs in zip(resumed.states, whole.states[1:]):

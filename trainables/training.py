@@ -108,6 +108,10 @@ def on_workers(config: Mapping[str, Any], loop: Callable[[dict], None]) -> bool:
     return False
 
 
+#: Reported counts over the whole trial: a trial resumed from a checkpoint goes on from the checkpoint's.
+TOTALS = frozenset({"fresh_samples_total", "echoed_samples_total"})
+
+
 def train(config: Mapping[str, Any], recipe: Recipe, session: Session | None = None) -> None:
     """Train as ``recipe`` says for ``config["epochs"]`` epochs (``lr``, ``batch_size``; optional
     ``momentum``, ``weight_decay``, ``torch_threads``, ``model_seed``) and report each epoch with
@@ -117,6 +121,7 @@ def train(config: Mapping[str, Any], recipe: Recipe, session: Session | None = N
     epochs, batch_size = int(config["epochs"]), int(config["batch_size"])
     state = session.restore()
     done = int(state["epoch"]) if state else 0
+    totals = {**dict.fromkeys(TOTALS, 0), **(state or {}).get("totals", {})}  # a resumed trial's go on
     if done >= epochs:
         logger.info("the checkpoint is of epoch %d of %d: nothing left to train", done, epochs)
         return
@@ -133,9 +138,12 @@ def train(config: Mapping[str, Any], recipe: Recipe, session: Session | None = N
                 lambda timing: _advance(scheduler, first + recipe.schedule_step(loader, timing, batch_size)))
             _advance(scheduler, first + per_epoch)  # the epoch's last, partial batch of fresh samples
             held_out = recipe.evaluate(s.core, config, s.device, loss_fn)  # the core: no collectives
-            session.report(recipe.metrics(epoch + 1, metrics, held_out, loader),
-                           {"epoch": epoch + 1, "lr": float(config["lr"]), "model": s.core.state_dict(),
-                            "optimizer": s.optimizer.state_dict(), "scheduler": scheduler.state_dict()})
+            report = recipe.metrics(epoch + 1, metrics, held_out, loader)
+            for key in TOTALS & report.keys():  # the loader counts this run's samples only
+                report[key] += totals[key]
+            session.report(report, {"epoch": epoch + 1, "lr": float(config["lr"]), "model": s.core.state_dict(),
+                                    "optimizer": s.optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                                    "totals": {key: report[key] for key in TOTALS & report.keys()}})
 
 
 def run_epoch(model: nn.Module, batches: Iterable[T], step: Callable[[T], tuple[float, int]],
