@@ -129,6 +129,27 @@ def test_shards_named_by_a_shard_index_are_fetched_one_by_one_as_their_samples_a
             wrong.read(100)
 
 
+def test_a_process_done_reading_a_shard_index_exits_without_fetching_the_rest(shards, node_cache, tmp_path,
+                                                                              monkeypatch):
+    """The shards behind the reads are fetched by daemon threads: a process that read one sample of a
+    40-shard index exits then, not after every shard has come (it waited for all 40 GETs)."""
+    import subprocess
+    import sys
+
+    first = os.path.join(shards, "shard-000000.tar")
+    names = [f"copy-{k:03d}.tar" for k in range(40)]
+    for name in names:
+        os.link(first, os.path.join(shards, name))
+    write_shard_index(os.path.join(shards, "many.json"), names, [64] * 40)
+    monkeypatch.setenv("COORDPREP_SERVER_LATENCY_MS", "200")  # 40 shards behind at 16 at a time: 3 rounds
+    with Server("http", str(tmp_path / "http.log"), shards) as server:
+        script = ("from coordinated_prep.pipeline.sources import open_source\n"
+                  f"assert open_source({server.url + '/many.json'!r}).read(100)\n")
+        subprocess.run([sys.executable, "-c", script], check=True, timeout=120, cwd=REPO)
+        at_exit = sum(n for path, n in _gets(server).items() if path.startswith("/copy-"))
+    assert 1 <= at_exit < 40, f"{at_exit} shards fetched before the process could exit"
+
+
 def test_a_parquet_dataset_named_by_its_manifests_url_is_fetched_once_per_node_and_read_byte_for_byte(
         small_dataset, node_cache, tmp_path):
     from coordinated_prep.convert.parquet import convert_imagefolder

@@ -172,6 +172,11 @@ def test_a_shard_index_reads_each_shard_when_a_sample_of_it_is_read_and_refuses_
                       classes=["a", "b", "c"])
     moved = open_source.__wrapped__(str(tmp_path / "elsewhere.json"))
     assert moved.classes == ("a", "b", "c") and moved.read(179) == folder.read(179)
+    write_shard_index(str(tmp_path / "two.json"), [os.path.join(out, n) for n in names], [50, 50, 50, 30],
+                      classes=["a", "b"])  # the shards hold class 2 as well: refused where read, naming it
+    with pytest.raises(DatasetError, match=r"shard \S+shard-000003\.tar: sample '\d+' has class 2, but its index "
+                                           r"\S+two\.json names 2 classes \(0 to 1\); list every class"):
+        open_source.__wrapped__(str(tmp_path / "two.json")).labels[179]
     assert index_fingerprint(moved).kind == "tar shards" and index_fingerprint(moved) != index_fingerprint(source)
 
     def index(doc) -> str:

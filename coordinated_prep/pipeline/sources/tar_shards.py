@@ -32,12 +32,12 @@ import re
 import sys
 import tarfile
 import threading
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
 from coordinated_prep.errors import DatasetError, SampleError
-from coordinated_prep.pipeline.sources.remote import fetched, is_url, list_shards
+from coordinated_prep.pipeline.sources.remote import FETCHERS, fetched, is_url, list_shards
 from coordinated_prep.pipeline.sources.shard_index import ShardIndex, is_shard_index, read_shard_index
 
 logger = logging.getLogger(__name__)
@@ -257,7 +257,7 @@ class _LazyShards(_Shards):
         self.total = int(self._starts[-1])
         self.loaded = {}
         self._lock = threading.Lock()
-        self._behind: threading.Thread | None = None
+        self._behind: Iterator[str] | None = None  # the shards left to fetch behind the reads
 
     def __getstate__(self) -> dict:
         return {"index": self.index, "_starts": self._starts, "total": self.total}
@@ -285,6 +285,12 @@ class _LazyShards(_Shards):
                     raise DatasetError(f"shard {url} holds {len(shard.keys)} samples, its index {self.index.origin} "
                                        f"says {self.index.counts[s]}; write the index again (widsindex create) "
                                        "after the shards changed")
+                n = len(self.index.classes or ())
+                if n and len(shard.labels) and shard.labels.max() >= n:  # labels are >= 0 (_label)
+                    j = int(np.argmax(shard.labels >= n))
+                    raise DatasetError(f"shard {url}: sample {shard.keys[j]!r} has class {int(shard.labels[j])}, but "
+                                       f"its index {self.index.origin} names {n} classes (0 to {n - 1}); list every "
+                                       "class in the index's 'classes', or fix the shard's .cls files")
                 self.loaded[s] = shard
         return self.loaded[s]
 
@@ -294,29 +300,38 @@ class _LazyShards(_Shards):
         Raises:
             DatasetError: A shard could not be fetched (:func:`~coordinated_prep.pipeline.sources.remote.fetched`).
         """
-        remote = [self.index.urls[s] for s in sorted(set(shards)) if s not in self.loaded and is_url(self.index.urls[s])]
+        urls = self.index.urls
+        remote = [urls[s] for s in sorted(set(shards)) if s not in self.loaded and is_url(urls[s])]
         if len(remote) > 1:  # one is fetched by its first read
             fetched(remote)
             self._start_behind()
 
     def _start_behind(self) -> None:
-        """Once per process, the first shards being here: the others follow behind, in a thread (not in
+        """Once per process, the first shards being here: the others follow behind, in threads (not in
         a DataLoader worker: its trial's own process does that, and the workers come and go)."""
         torch = sys.modules.get("torch")
         if self._behind is not None or (torch is not None and torch.utils.data.get_worker_info() is not None):
             return
         with self._lock:
             if self._behind is None:
-                self._behind = threading.Thread(target=self._fetch_behind, name="coordprep-shards-behind", daemon=True)
-                self._behind.start()
+                urls = [u for u in self.index.urls if is_url(u)]
+                self._behind = iter(urls)
+                for k in range(min(FETCHERS, len(urls))):
+                    threading.Thread(target=self._fetch_behind, name=f"coordprep-behind-{k}", daemon=True).start()
 
     def _fetch_behind(self) -> None:
-        """Every shard of the index into the node's shard cache, in the background of this process (a
-        daemon thread: a read that needs a shard first fetches it itself, or waits on its lock)."""
-        try:
-            fetched([u for u in self.index.urls if is_url(u)])
-        except Exception as e:  # each shard's own read raises its error, naming it
-            logger.info("fetching the shards of %s behind the reads stopped: %r", self.index.origin, e)
+        """Shards into the node's shard cache, one at a time, until none is left: daemon threads (an executor's
+        queue would hold the process's exit), so a process that is done exits, and a copy it cut short is
+        replaced by the next fetcher. A read that needs a shard fetches it itself, or waits on its lock."""
+        while True:
+            with self._lock:
+                url = next(self._behind, None)  # type: ignore[arg-type]
+            if url is None:
+                return
+            try:
+                fetched([url])
+            except Exception as e:  # that shard's own read raises its error, naming it
+                logger.info("fetching shard %s of %s behind the reads failed: %r", url, self.index.origin, e)
 
     def key(self, s: int, j: int) -> str:
         found = self.loaded.get(s)  # an error's description must not fetch the shard it names
