@@ -211,6 +211,11 @@ def test_fit_task_reports_the_task_scores_and_resumes(monkeypatch):
     assert all(0 <= r["miou"] <= 1 and 0 <= r["pixel_accuracy"] <= 1 and math.isfinite(r["loss"])
                for r in whole.reports)
     assert whole.states[-1]["scheduler"]["last_epoch"] == 8
+    assert set(whole.reports[0]) == segmentation.REPORTS, "what a sweep's metric is checked against"
+    from trainables import REPORTS, audio, cifar
+
+    classify = segmentation.REPORTS - {"miou", "pixel_accuracy"} | {"accuracy"}
+    assert REPORTS["cifar_cnn"] == cifar.REPORTS == audio.REPORTS == classify
     resumed = MemorySession(start=whole.states[0])
     loop.fit_task(config, segmentation.TASK, resumed)
     assert [r["epoch"] for r in resumed.reports] == [2]

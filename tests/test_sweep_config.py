@@ -127,6 +127,9 @@ def test_a_cache_is_configured_with_units(tmp_path):
      r"scheduler.grace_period=5 is past a trial's length, max_t=2 \(search_space.epochs\)"),
     (("num_samples: 2", "num_samples: 2\nresources_per_trial: {cpu: 0, gpu: 0}"), r"a trial needs some resource"),
     (("num_samples: 2", "num_samples: 2\nray: {num_cpus: two}"), r"ray.num_cpus='two' must be an integer >= 1"),
+    (("num_samples: 2", "num_samples: 2\nmetric: acuracy"), r"metric='acuracy': trainable 'small_cnn' reports no such "
+                                                             r"metric; did you mean 'accuracy'\? \(it reports \["),
+    (("trainable: small_cnn", "trainable: seg_unet"), r"metric='accuracy': trainable 'seg_unet' reports .*'miou'"),
     (("num_samples: 2", "num_samples: 2\nray: {include_dashboard: maybe}"), r"ray.include_dashboard='maybe' must be"),
     (("num_samples: 2", "num_samples: 2\npool: {1: 2, actrs: 3}"), r"pool: unknown key\(s\) \[1, 'actrs'\]"),
     (("num_samples: 2", "num_samples: 2\n{[1, 2]: 3}: 4"), r"line \d+: a list cannot be a key"),

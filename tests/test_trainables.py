@@ -64,6 +64,9 @@ def test_a_resumed_trial_goes_on_from_its_checkpointed_epoch_and_schedule(_confi
     whole = MemorySession()
     small_cnn.fit(_config(), small_cnn.build, whole)
     assert [s["epoch"] for s in whole.states] == [1, 2, 3]
+    from trainables import REPORTS
+
+    assert set(whole.reports[0]) == REPORTS["small_cnn"] == REPORTS["resnet18"], "a sweep's metric is checked on it"
     resumed = MemorySession(start=whole.states[0])
     small_cnn.fit(_config(), small_cnn.build, resumed)
     assert [r["epoch"] for r in resumed.reports] == [2, 3]

@@ -49,4 +49,14 @@ MODELS: Mapping[str, Callable[[int, Mapping[str, Any]], Any]] = _Lazy({
     "resnet18": "trainables.resnet:build",
 })
 
-__all__ = ["MODELS", "REGISTRY"]
+#: What each registered trainable reports every epoch (besides Tune's own ``training_iteration``,
+#: ``time_total_s``, ...): a YAML sweep's ``metric`` is checked against it before Ray starts.
+REPORTS: Mapping[str, frozenset[str] | None] = _Lazy({
+    "small_cnn": "trainables.common:REPORTS",
+    "resnet18": "trainables.common:REPORTS",
+    "cifar_cnn": "trainables.cifar:REPORTS",
+    "seg_unet": "trainables.segmentation:REPORTS",
+    "audio_cnn": "trainables.audio:REPORTS",
+})
+
+__all__ = ["MODELS", "REGISTRY", "REPORTS"]

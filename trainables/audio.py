@@ -8,7 +8,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from trainables.data.audio import CLASSES
-from trainables.loop import Task, fit_task
+from trainables.loop import Task, fit_task, reports
 from trainables.scores import Accuracy
 
 
@@ -27,6 +27,7 @@ def build(num_classes: int, config: Mapping[str, Any]) -> nn.Module:
 
 #: The spectrogram CNN; ``accuracy`` held out.
 TASK = Task(build=build, num_classes=len(CLASSES), scores=Accuracy)
+REPORTS = reports(TASK)  # what it reports each epoch (a YAML sweep's metric is one of them)
 
 
 def train(config: dict) -> None:

@@ -20,7 +20,8 @@ from coordinated_prep.memory.modes import apply_memory
 from coordinated_prep.memory.packing import cap_gpu_memory
 from coordinated_prep.pipeline.sources import open_source
 from trainables.session import STATE_FILE, Session, TuneSession, load_state, save_state  # noqa: F401  (their old home)
-from trainables.training import Recipe, make_optimizer, on_workers, train  # noqa: F401  (make_optimizer's old home)
+from trainables.training import EPOCH_KEYS, TOTALS, Recipe, on_workers, train
+from trainables.training import make_optimizer  # noqa: F401  (its old home)
 
 MEAN, STD = 0.5, 0.25
 
@@ -71,6 +72,11 @@ def fit(config: Mapping[str, Any], build: Callable[[int, Mapping[str, Any]], nn.
     if on_workers(config, functools.partial(fit, build=build)):
         return
     train(config, _Images(build), session)
+
+
+#: What the image trainables (small_cnn, resnet18) report each epoch (:meth:`_Images.metrics`).
+REPORTS = EPOCH_KEYS | TOTALS | {"loss", "accuracy", "private_samples", "copied_fraction", "loader_cpu_ms_per_batch",
+                                 "fresh_samples", "echoed_samples"}
 
 
 class _Images(Recipe):

@@ -14,7 +14,7 @@ from coordinated_prep import eval_loader, train_loader
 from coordinated_prep.trial.timing import Timing
 from trainables.scores import Scores
 from trainables.session import Session, TuneSession  # noqa: F401  (TuneSession, make_optimizer: importable here, as before)
-from trainables.training import Recipe, _advance, make_optimizer, on_workers, run_epoch, train  # noqa: F401
+from trainables.training import EPOCH_KEYS, Recipe, _advance, make_optimizer, on_workers, run_epoch, train  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,15 @@ def fit_task(config: Mapping[str, Any], task: Task, session: Session | None = No
     if on_workers(config, functools.partial(fit_task, task=task)):
         return
     train(config, _TaskRecipe(task), session)
+
+
+def reports(task: Task) -> frozenset[str] | None:
+    """What a trainable of ``task`` reports each epoch (:meth:`_TaskRecipe.metrics`): the loop's, the
+    held-out loss and the task's scores; None if its scores do not declare their ``KEYS``."""
+    keys = getattr(task.scores, "KEYS", None)
+    if keys is None:
+        return None
+    return EPOCH_KEYS | {"loss", "private_samples", "copied_fraction", "loader_cpu_ms_per_batch", *keys}
 
 
 class _TaskRecipe(Recipe):

@@ -8,7 +8,10 @@ import torch
 
 
 class Scores(Protocol):
-    """Accumulates a model's outputs against the targets over an evaluation; one per evaluation."""
+    """Accumulates a model's outputs against the targets over an evaluation; one per evaluation.
+    ``KEYS``: the names :meth:`result` returns (a YAML sweep's ``metric`` is checked against them)."""
+
+    KEYS: tuple[str, ...]
 
     def update(self, outputs: torch.Tensor, targets: torch.Tensor) -> None:
         """Add one batch: the model's logits and the targets, on the same device."""
@@ -23,6 +26,8 @@ class Accuracy:
     Args:
         num_classes: Not needed here; taken so that every :class:`Scores` is built the same way.
     """
+
+    KEYS = ("accuracy",)
 
     def __init__(self, num_classes: int) -> None:
         self.correct = self.total = 0
@@ -40,6 +45,8 @@ class Accuracy:
 class SegmentationScores:
     """Segmentation, from one confusion matrix over every pixel: ``pixel_accuracy`` and ``miou``, the mean
     over classes of intersection over union (classes absent from targets and predictions alike left out)."""
+
+    KEYS = ("miou", "pixel_accuracy")
 
     def __init__(self, num_classes: int) -> None:
         self.num_classes = num_classes

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from trainables.data.segmentation import CLASSES
-from trainables.loop import Task, fit_task
+from trainables.loop import Task, fit_task, reports
 from trainables.scores import SegmentationScores
 
 
@@ -58,6 +58,7 @@ def build(num_classes: int, config: Mapping[str, Any]) -> nn.Module:
 
 #: The tiny U-Net; ``miou`` and ``pixel_accuracy`` held out.
 TASK = Task(build=build, num_classes=len(CLASSES), scores=SegmentationScores)
+REPORTS = reports(TASK)  # what it reports each epoch (a YAML sweep's metric is one of them)
 
 
 def train(config: dict) -> None:

@@ -108,6 +108,9 @@ def on_workers(config: Mapping[str, Any], loop: Callable[[dict], None]) -> bool:
     return False
 
 
+#: What :func:`run_epoch` returns, reported by every recipe each epoch with ``epoch``.
+EPOCH_KEYS = frozenset({"epoch", "train_loss", "samples", "steps", "data_wait_s", "compute_s", "stall_fraction"})
+
 #: Reported counts over the whole trial: a trial resumed from a checkpoint goes on from the checkpoint's.
 TOTALS = frozenset({"fresh_samples_total", "echoed_samples_total"})
 

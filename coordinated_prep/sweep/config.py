@@ -33,7 +33,7 @@ Schema (every key but ``trainable`` and ``search_space`` is optional)::
     reuse_actors: false              # Tune's: a finished (or PBT-exploited) trial's process runs the next trial
     resources_per_trial: {cpu: 0.25, gpu: 0}   # or gpu: auto (and gpu_margin: 0.1): each trial gets the GPU
                                                # share its measured peak needs (coordinated_prep.memory.packing)
-    metric: accuracy
+    metric: accuracy                 # one the trainable reports (a registered one's: checked before Ray starts)
     mode: max
     scheduler: {type: asha, grace_period: 1, reduction_factor: 2}   # default {type: fifo}; the types and keys:
     #   fifo
@@ -196,6 +196,8 @@ def _parse(path: str, raw: Any) -> SweepConfig:
             kwargs[key] = _typed(raw, key, typ, what)
     if "storage_path" in kwargs:
         kwargs["storage_path"] = os.path.expanduser(kwargs["storage_path"])
+    if ":" not in trainable:
+        _check_metric(kwargs.get("metric", SweepConfig.metric), trainable)
     for key, low in (("num_samples", 1), ("max_concurrent_trials", 0), ("max_failures", 0)):
         if key in raw:
             value = raw[key]
@@ -258,6 +260,25 @@ def _check_dataset(dataset: str, name: str = "data.dataset") -> None:
                           f"Parquet dataset directory (coordprep convert) or the URL of its {PARQUET_MANIFEST}, WebDataset "
                           "tar shards (a folder of *.tar, a .tar file, a pattern such as 'shards-{0000..0063}.tar' or "
                           f"a shard index's .json, local or a URL) or one of {list(BUILTIN_DATASETS)}")
+
+
+#: What Tune adds to every result: a sweep may rank by these whatever its trainable reports.
+TUNE_RESULT_KEYS = ("training_iteration", "time_total_s", "time_this_iter_s", "time_since_restore",
+                    "iterations_since_restore", "timestamp")
+
+
+def _check_metric(metric: str, trainable: str) -> None:
+    """A registered trainable's ``metric`` is one it reports (Tune would fail its first result, after Ray's start)."""
+    from trainables import REPORTS
+
+    reported = REPORTS.get(trainable)
+    if reported is None or metric in reported or metric in TUNE_RESULT_KEYS:
+        return
+    known = sorted(reported) + list(TUNE_RESULT_KEYS)
+    near = difflib.get_close_matches(metric, known, n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]!r}? " if near else ""
+    raise ConfigError(f"metric={metric!r}: trainable {trainable!r} reports no such metric; {hint}(it reports "
+                      f"{sorted(reported)}, and Tune adds {list(TUNE_RESULT_KEYS)})")
 
 
 def _check_trainable_keys(space: Mapping[str, Any], trainable: str, scheduler: SchedulerSpec) -> None:
