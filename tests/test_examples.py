@@ -162,10 +162,12 @@ def test_each_model_trains_on_default_collate_batches(name):
 
 
 class FakeTrainLoader:
-    """Stands in for ``coordinated_prep.train_loader``: each epoch a DataLoader over ``config["data"]["train"]``."""
+    """Stands in for ``coordinated_prep.train_loader``: each epoch a DataLoader over ``config["data"]["train"]``,
+    each batch ``config["views"]`` times (the views a spec asks for)."""
 
     def __init__(self, config: dict[str, Any], batch_size: int, epochs: int) -> None:
         self.data, self.batch_size, self.epochs = config["data"]["train"], batch_size, epochs
+        self.views = config.get("views", 1)
         self.fresh_batches_per_epoch = math.ceil(len(self.data) / batch_size)
         self.private_samples = 0
         self.stats = SimpleNamespace(copied_fraction=0.0, cpu_ms_per_batch=0.0)
@@ -176,8 +178,11 @@ class FakeTrainLoader:
     def __exit__(self, *exc: object) -> None:
         pass
 
+    def __len__(self) -> int:
+        return self.views * self.fresh_batches_per_epoch
+
     def __iter__(self) -> Iterator[Any]:
-        return iter(DataLoader(self.data, batch_size=self.batch_size, shuffle=True))
+        return (b for b in DataLoader(self.data, batch_size=self.batch_size, shuffle=True) for _ in range(self.views))
 
 
 def _fake_eval_loader(config: dict[str, Any], batch_size: int) -> Iterator[Any]:
@@ -220,6 +225,12 @@ def test_fit_task_reports_the_task_scores_and_resumes(monkeypatch):
     loop.fit_task(config, segmentation.TASK, resumed)
     assert [r["epoch"] for r in resumed.reports] == [2]
     assert resumed.states[-1]["scheduler"]["last_epoch"] == 8
+    # Two views of each sample: twice the batches, and the schedule still follows the epochs (it ended
+    # halfway through, one step per batch, leaving the last epoch at a learning rate of about 0).
+    viewed = MemorySession()
+    loop.fit_task({**config, "views": 2}, segmentation.TASK, viewed)
+    assert [r["steps"] for r in viewed.reports] == [8, 8]
+    assert [s["scheduler"]["last_epoch"] for s in viewed.states] == [4, 8]
 
 
 def test_segmentation_scores_from_the_confusion_matrix():

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from coordinated_prep import eval_loader, train_loader
-from coordinated_prep.trial.timing import Timing
 from trainables.scores import Scores
 from trainables.session import Session, TuneSession  # noqa: F401  (TuneSession, make_optimizer: importable here, as before)
 from trainables.training import EPOCH_KEYS, Recipe, _advance, make_optimizer, on_workers, run_epoch, train  # noqa: F401
@@ -88,9 +87,6 @@ class _TaskRecipe(Recipe):
         return {**train, "epoch": epoch, **held_out, "private_samples": loader.private_samples,
                 "copied_fraction": loader.stats.copied_fraction,
                 "loader_cpu_ms_per_batch": loader.stats.cpu_ms_per_batch}
-
-    def schedule_step(self, loader: Any, timing: Timing, batch_size: int) -> int:
-        return timing.steps  # one step per batch
 
 
 def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
