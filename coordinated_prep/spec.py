@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
@@ -182,8 +183,8 @@ class DataSpec:
             raise ConfigError(f"data.on_error={self.on_error!r} must be 'raise' or 'skip'")
         for name in ("fetch_timeout_s", "lease_s"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"data.{name}={value!r} must be a positive number of seconds")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"data.{name}={value!r} must be a positive, finite number of seconds")
         for name, value in zip(PART_FIELDS, check_part(self.subset, self.fraction, self.fold)):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_key", self._make_key())

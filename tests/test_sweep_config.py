@@ -127,6 +127,8 @@ def test_a_cache_is_configured_with_units(tmp_path):
      r"scheduler.grace_period=5 is past a trial's length, max_t=2 \(search_space.epochs\)"),
     (("num_samples: 2", "num_samples: 2\nresources_per_trial: {cpu: 0, gpu: 0}"), r"a trial needs some resource"),
     (("num_samples: 2", "num_samples: 2\nray: {num_cpus: two}"), r"ray.num_cpus='two' must be an integer >= 1"),
+    (("{loguniform: [0.001, 0.1]}", "{loguniform: [0.001, .inf]}"), r"search_space.lr: inf must be a number > 0 and finite"),
+    (("seed: 3,", "seed: 3, lease_s: .nan,"), r"data.lease_s=nan must be a positive, finite number of seconds"),
     (("num_samples: 2", "num_samples: 2\nmetric: acuracy"), r"metric='acuracy': trainable 'small_cnn' reports no such "
                                                              r"metric; did you mean 'accuracy'\? \(it reports \["),
     (("trainable: small_cnn", "trainable: seg_unet"), r"metric='accuracy': trainable 'seg_unet' reports .*'miou'"),

@@ -348,8 +348,8 @@ def _check_trainable_values(where: str, key: str, value: Any, trainable: str) ->
     kind = "an integer" if integer else "a number"
     for v in values:
         ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-        if isinstance(v, bool) or not ok or v < low or (not integer and v <= 0):
-            bound = f">= {low}" if integer else "> 0"
+        if isinstance(v, bool) or not ok or not math.isfinite(v) or v < low or (not integer and v <= 0):
+            bound = f">= {low}" if integer else "> 0 and finite"
             raise ConfigError(f"{where}: {v!r} must be {kind} {bound} (trainable {trainable!r})")
 
 
