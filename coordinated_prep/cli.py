@@ -159,10 +159,13 @@ def _best(args: argparse.Namespace) -> int:
 
     shown = ("accuracy", "loss", args.metric, ranked_by(args.path))  # and the metric the sweep ranks by
     scores = ", ".join(f"{k}={v}" for k, v in best.metrics.items() if k in shown)
+    # the call that finds this very trial: the flags given, as its arguments
+    call = ", ".join([repr(args.path)] + [f"{k}={v!r}" for k, v in (("trial", args.trial), ("metric", args.metric),
+                                                                     ("mode", args.mode)) if v is not None])
     lines = [f"{which}: {best.trial}  {scores}", f"config: {best.config}", f"data: {best.data!r}", "",
              "Train it again without Tune (the loader prepares the data in its own process):",
              "  from coordinated_prep import best_trial, train_loader",
-             f"  best = best_trial({args.path!r}{f', trial={best.trial!r}' if args.trial else ''})",
+             f"  best = best_trial({call})",
              "  loader = train_loader(best.data, batch_size=best.config['batch_size'])"]
     groups = saved_reports(args.path).get("groups") or {}
     if groups:

@@ -119,6 +119,10 @@ def test_a_tiny_sweep_prints_and_writes_its_summary(ray_session, small_dataset, 
     assert saved["groups"][best.data.group_key]["samples_served"] == group["samples_served"]
     again = train_loader(best.data, batch_size=best.config["batch_size"], epochs=1, num_workers=0)
     assert sum(len(b) for b in again) == group["samples_per_epoch"]
+    assert main(["best", sweep_dir, "--metric", "train_loss", "--mode", "min"]) == 0
+    out = capsys.readouterr().out  # the snippet finds the trial shown, ranked as asked
+    assert f"best = best_trial({sweep_dir!r}, metric='train_loss', mode='min')" in out
+    assert f"Best trial: {best_trial(sweep_dir, metric='train_loss', mode='min').trial} " in out
     assert main(["best", sweep_dir, "--trial", "nope"]) == 2
     assert "no trial 'nope'" in capsys.readouterr().err
     assert main(["best", sweep_dir, "--mode", "min"]) == 2  # the worst accuracy, labelled best: refused
