@@ -78,6 +78,12 @@ def test_yaml_reads_numbers_as_python_does_merges_keys_and_expands_home(tmp_path
     assert _scheduler(cfg)._max_t == 6
     with pytest.raises(ConfigError, match=r"\d: cannot be read as an experiment file .*Is a directory"):
         load_sweep(str(tmp_path))
+    from coordinated_prep.sweep.yaml_loader import load_yaml
+
+    numbers = tmp_path / "numbers.yaml"  # YAML 1.2's numbers (1.1 read 15, '08', '-.5', '.5e3' and 90)
+    numbers.write_text("[017, 08, -.5, .5e3, '1:30', 1:30, 0x10, 0o17, -0x1f, 1_000, +3, 1.5e-3, .inf, yes]")
+    assert load_yaml(str(numbers)) == [17, 8, -0.5, 500.0, "1:30", "1:30", 16, 15, -31, 1000, 3, 0.0015, float("inf"),
+                                       True]
 
 
 def test_a_cache_is_configured_with_units(tmp_path):
@@ -129,6 +135,10 @@ def test_a_cache_is_configured_with_units(tmp_path):
     (("num_samples: 2", "num_samples: 2\nray: {num_cpus: two}"), r"ray.num_cpus='two' must be an integer >= 1"),
     (("{loguniform: [0.001, 0.1]}", "{loguniform: [0.001, .inf]}"), r"search_space.lr: inf must be a number > 0 and finite"),
     (("seed: 3,", "seed: 3, lease_s: .nan,"), r"data.lease_s=nan must be a positive, finite number of seconds"),
+    (("momentum: {uniform: [0.8, 0.95]}", "momentum: yes"), r"search_space.momentum: True must be a number in \(0, 1\)"),
+    (("  epochs: 2\n", "  epochs: 2\n  eval_batch_size: {choice: [64, 0]}\n"),
+     r"search_space.eval_batch_size: 0 must be an integer >= 1 \(trainable 'small_cnn'\)"),
+    (("  epochs: 2\n", "  epochs: 2\n  weight_decay: .nan\n"), r"search_space.weight_decay: nan must be a number >= 0"),
     (("num_samples: 2", "num_samples: 2\nmetric: acuracy"), r"metric='acuracy': trainable 'small_cnn' reports no such "
                                                              r"metric; did you mean 'accuracy'\? \(it reports \["),
     (("trainable: small_cnn", "trainable: seg_unet"), r"metric='accuracy': trainable 'seg_unet' reports .*'miou'"),

@@ -87,6 +87,11 @@ TRAINABLE_KEYS = {"lr": (False, 0.0, True), "batch_size": (True, 1, True), "epoc
 #: Every key the registered trainables read from a trial's config (``trainables/``), besides ``data.*``.
 READ_KEYS = (*TRAINABLE_KEYS, "memory", "echo", "model_seed", "momentum", "weight_decay", "eval_batch_size",
              "torch_threads", "cpu_per_worker", "gpu_per_worker", "gpu_memory_fraction", "depth", "num_classes")
+#: The other numbers the registered trainables read: integer or not, the values allowed, and what they are.
+NUMBERS = {"eval_batch_size": (True, lambda v: v >= 1, ">= 1"), "torch_threads": (True, lambda v: v >= 1, ">= 1"),
+           "model_seed": (True, lambda v: v >= 0, ">= 0"), "depth": (True, lambda v: v >= 1, ">= 1"),
+           "num_classes": (True, lambda v: v >= 1, ">= 1"), "weight_decay": (False, lambda v: v >= 0, ">= 0"),
+           "momentum": (False, lambda v: 0 < v < 1, "in (0, 1), as SGD's Nesterov momentum needs")}
 #: Keys a checkpoint fixes (the model's shape, the schedule's length): PBT and PB2 cannot move them.
 FIXED_BY_CHECKPOINT = ("batch_size", "epochs", "width", "depth", "workers", "num_classes")
 RAY_KEYS = ("num_cpus", "object_store_memory", "include_dashboard", "dashboard_host", "metrics_export_port",
@@ -291,6 +296,12 @@ def _check_trainable_keys(space: Mapping[str, Any], trainable: str, scheduler: S
                 raise ConfigError(f"search_space.{key} is required by trainable {trainable!r}")
             continue
         _check_trainable_values(f"search_space.{key}", key, space[key], trainable)
+    for key, (integer, allowed, what) in NUMBERS.items():
+        for v in (space[key].args if isinstance(space[key], Dimension) else [space[key]]) if key in space else ():
+            ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+            if isinstance(v, bool) or not ok or not math.isfinite(v) or not allowed(v):
+                raise ConfigError(f"search_space.{key}: {v!r} must be {'an integer' if integer else 'a number'} "
+                                  f"{what} (trainable {trainable!r})")
     for key in space:  # a misspelt key would reach the trials unread, leaving the default in its place
         near = difflib.get_close_matches(key, READ_KEYS, n=1, cutoff=0.8)
         if key not in READ_KEYS and not key.startswith("data.") and near:

@@ -1,7 +1,8 @@
 """Safe YAML loading that rejects duplicate keys, with the file and line in the message.
 
-Numbers are read as YAML 1.2 reads them: ``1e-3`` is a float, as in Python and JSON (PyYAML follows
-YAML 1.1, where an exponent needs a dot, ``1.0e-3``, and ``1e-3`` is a string).
+Numbers are read as YAML 1.2 reads them, as in Python and JSON. PyYAML follows YAML 1.1, where
+``1e-3`` (an exponent without a dot), ``-.5`` and ``.5e3`` are strings, ``017`` is octal (15), ``08`` a
+string and ``1:30`` a number in base 60 (90); here they are 0.001, -0.5, 500.0, 17, 8 and the string.
 """
 
 from __future__ import annotations
@@ -20,9 +21,25 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 # Its own copy of the resolvers (adding to SafeLoader's would change every other user's yaml.safe_load).
 _UniqueKeyLoader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_INT = "tag:yaml.org,2002:int"
+for _first, _resolvers in _UniqueKeyLoader.yaml_implicit_resolvers.items():  # YAML 1.1's ints out
+    _resolvers[:] = [(tag, regexp) for tag, regexp in _resolvers if tag != _INT]
 _UniqueKeyLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"))
+    _INT, re.compile(r"^(?:[-+]?[0-9][0-9_]*|[-+]?0o[0-7_]+|[-+]?0x[0-9a-fA-F_]+)$"), list("-+0123456789"))
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+"
+                                          r"|[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?)$"), list("-+.0123456789"))
+
+
+def _construct_int(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> int:
+    """Decimal whatever its leading zeros (``017`` is 17), ``0o`` octal, ``0x`` hexadecimal."""
+    text = str(loader.construct_scalar(node)).replace("_", "")
+    sign, digits = (-1, text[1:]) if text[:1] == "-" else (1, text.lstrip("+"))
+    base = {"0o": 8, "0x": 16}.get(digits[:2].lower(), 10)
+    return sign * int(digits[2:] if base != 10 else digits, base)
+
+
+_UniqueKeyLoader.add_constructor(_INT, _construct_int)
 
 _MERGE = "tag:yaml.org,2002:merge"
 
