@@ -156,6 +156,34 @@ def test_a_worker_whose_read_hangs_fails_the_loader_after_fetch_timeout_s_naming
         list(train_loader(spec, 8, epochs=1, num_workers=1))
 
 
+class Slow:
+    """Sample 13's ``__getitem__`` takes ``delay_s``."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int):
+        if i == 13:
+            threading.Event().wait(self.delay_s)
+        return np.full(4, i, np.float32), i
+
+
+def test_a_piece_later_than_fetch_timeout_s_fails_the_loader_whatever_the_liveness_checks_between(monkeypatch):
+    """The waits for a piece check the workers every _LIVENESS_S; the last one ends at fetch_timeout_s (it
+    ended at the next multiple of _LIVENESS_S, so this piece, 0.3 s late, was taken)."""
+    from coordinated_prep.trial import workers
+
+    monkeypatch.setattr(workers, "_LIVENESS_S", 1.0)
+    quick = DataSpec(dataset=Slow(0.0), coordinated=False, holdout=0.0, chunk_size=8, fetch_timeout_s=30.0)
+    assert len(list(train_loader(quick, 8, epochs=1, num_workers=1))) == 5  # the worker server started: no wait
+    spec = DataSpec(dataset=Slow(1.8), coordinated=False, holdout=0.0, chunk_size=8, fetch_timeout_s=1.5)
+    with pytest.raises(PrepError, match=r"within data.fetch_timeout_s=1.5 s \(waited 1\.[5-9] s\)"):
+        list(train_loader(spec, 8, epochs=1, num_workers=1))
+
+
 class Killing:
     """Sample 13's ``__getitem__`` kills its process, as the kernel's OOM killer would a worker's."""
 

@@ -32,6 +32,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import time
 import warnings
 from typing import Any, Iterator
 
@@ -166,13 +167,18 @@ class WorkerPieces:
         if self._it is None or g != self._next:
             self.start(g)
         self._next += 1
-        waited = 0.0
+        asked = time.monotonic()
         while True:  # each wait short: a DataLoader checks its workers are alive only when one times out (off
-            try:     # its main thread, where Tune runs a trainable, no SIGCHLD handler does it)
+            # its main thread, where Tune runs a trainable, no SIGCHLD handler does it); the last one ends
+            # at fetch_timeout_s (torch's iterator reads its ``_timeout`` at every wait)
+            left = self._timeout_s - (time.monotonic() - asked)
+            if hasattr(self._it, "_timeout"):
+                self._it._timeout = max(0.01, min(left, _LIVENESS_S))  # type: ignore[union-attr]
+            try:
                 shipped = next(self._it)  # type: ignore[arg-type]
                 break
             except (RuntimeError, OSError, EOFError) as e:  # a dead worker's pipe may reset, or end, mid-message
-                waited += min(self._timeout_s, _LIVENESS_S)
+                waited = time.monotonic() - asked
                 timed_out = isinstance(e, RuntimeError) and "timed out" in str(e)
                 if timed_out and waited < self._timeout_s:
                     continue  # the iterator resumes where it was
@@ -191,8 +197,8 @@ class WorkerPieces:
                                     "out of memory: lower the loader's num_workers or the pieces' size "
                                     "(data.chunk_size)") from None
                 raise PrepError(f"piece {g}: no worker process had it ready within data.fetch_timeout_s="
-                                f"{self._timeout_s:g} s ({e}); its storage may hang (check that it answers), or raise "
-                                "fetch_timeout_s if one piece takes that long to prepare") from None
+                                f"{self._timeout_s:g} s (waited {waited:.1f} s); its storage may hang (check that it "
+                                "answers), or raise fetch_timeout_s if one piece takes that long to prepare") from None
         if len(shipped) == 1:
             self.close()
             raise shipped[0]  # the SampleError or StructureError, as the reading process would raise it
