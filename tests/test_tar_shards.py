@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import pickle
+import shutil
 import tarfile
 
 import numpy as np
@@ -208,6 +209,23 @@ def test_a_shard_index_reads_each_shard_when_a_sample_of_it_is_read_and_refuses_
         {"url": f"file://{out}/{names[0]}", "nsamples": 1}, {"url": "s3://bucket/c.tar", "nsamples": 1}]}))
     assert found.urls == ("https://host:8443/shards/a.tar", "https://host:8443/b.tar", f"{out}/{names[0]}",
                           "s3://bucket/c.tar")
+    # A query (a signature, a version) is the URL's own: the folder and base_path are its path's; file: URLs
+    # with localhost, one slash or percent-escapes are local paths, and another host is refused.
+    from coordinated_prep.pipeline.sources.shard_index import is_shard_index
+
+    assert is_shard_index("https://h/d/train.json?v=2") and not is_shard_index("https://h/d/train.tar?x=.json")
+    signed = read_shard_index(index({"base_path": "https://h/d/?sig=1", "shardlist": [{"url": "a.tar", "nsamples": 1}]}))
+    assert signed.urls == ("https://h/d/a.tar",)
+    spaced = tmp_path / "my dir"
+    spaced.mkdir()
+    shutil.copy(os.path.join(out, names[0]), spaced / "s.tar")
+    local = read_shard_index(index({"shardlist": [{"url": f"file://localhost{spaced}/s.tar", "nsamples": 50},
+                                                  {"url": f"file:{str(spaced).replace(' ', '%20')}/s.tar", "nsamples": 50}]}))
+    assert local.urls == (f"{spaced}/s.tar",) * 2
+    with pytest.raises(DatasetError, match=r"'file://otherhost/s\.tar' names the host 'otherhost'; .* file:///path"):
+        read_shard_index(index({"shardlist": [{"url": "file://otherhost/s.tar", "nsamples": 1}]}))
+    with pytest.raises(IndexError, match=r"label index 180 out of range for the 180 samples of \S+elsewhere\.json"):
+        moved.labels[180]
     with pytest.raises(DatasetError, match=r"'\.\./\.\./x\.tar' climbs above https://host/"):
         read_shard_index(index({"base_path": "https://host/ds/", "shardlist": [{"url": "../../x.tar", "nsamples": 1}]}))
 

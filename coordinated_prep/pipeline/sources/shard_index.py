@@ -20,6 +20,8 @@ import json
 import os
 import posixpath
 from dataclasses import dataclass
+from urllib.parse import urlsplit
+from urllib.request import url2pathname
 
 from coordinated_prep.errors import DatasetError
 from coordinated_prep.pipeline.sources.remote import is_url
@@ -49,7 +51,8 @@ def is_shard_index(dataset: str) -> bool:
     """Whether ``dataset`` names a shard index: a ``.json`` path or URL (a Parquet manifest excepted)."""
     from coordinated_prep.pipeline.sources import PARQUET_MANIFEST
 
-    return dataset.endswith(".json") and not dataset.endswith(PARQUET_MANIFEST)
+    path = urlsplit(dataset).path if is_url(dataset) else dataset  # a URL's query (?v=2, a signature) aside
+    return path.endswith(".json") and not path.endswith(PARQUET_MANIFEST)
 
 
 def read_shard_index(dataset: str) -> ShardIndex:
@@ -59,7 +62,7 @@ def read_shard_index(dataset: str) -> ShardIndex:
         DatasetError: It cannot be read, is not JSON, or lacks a shard list of ``url`` and ``nsamples``
             entries (naming the index, the entry and the key, with the fix).
     """
-    origin = dataset.removeprefix("file://")
+    origin = _local(dataset, dataset) if dataset.startswith("file:") else dataset
     try:
         if is_url(origin):
             from coordinated_prep.pipeline.sources.remote import _filesystem
@@ -123,22 +126,32 @@ def write_shard_index(path: str, urls: list[str], counts: list[int], classes: li
 
 
 def _folder(origin: str) -> str:
-    if is_url(origin):
-        return origin.rsplit("/", 1)[0] + "/"
+    if is_url(origin):  # its query (a signature, a version) is the index's own, not its folder's
+        parts = urlsplit(origin)
+        return f"{parts.scheme}://{parts.netloc}{parts.path.rsplit('/', 1)[0]}/"
     return os.path.dirname(os.path.abspath(os.path.expanduser(origin)))
+
+
+def _local(url: str, index: str) -> str:
+    """The local path of a ``file:`` URL (``file:///p``, ``file://localhost/p``, ``file:/p``; percent-decoded)."""
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise DatasetError(f"shard index {index}: {url!r} names the host {parts.netloc!r}; a file: URL is read on "
+                           "each node itself: write file:///path (or a plain path)")
+    return url2pathname(parts.path)
 
 
 def _resolve(base: str, url: str, index: str) -> str:
     """``url`` (a shard's, or a base_path) against ``base``, as ``wids`` resolves it: a URL as it is, a
     path from the base's folder or, in a URL's, from its host or bucket; ``file://`` as a local path."""
-    if url.startswith("file://"):
-        return url.removeprefix("file://")
+    if url.startswith("file:"):
+        return _local(url, index)
     if is_url(url):
         return url
     if not is_url(base):
-        return os.path.normpath(os.path.join(base.removeprefix("file://"), os.path.expanduser(url)))
-    scheme, rest = base.split("://", 1)
-    host, _, path = rest.partition("/")
+        return os.path.normpath(os.path.join(base, os.path.expanduser(url)))
+    parts = urlsplit(base)  # a base_path's query, if any, is not the shards'
+    scheme, host, path = parts.scheme, parts.netloc, parts.path.lstrip("/")
     joined = posixpath.normpath(posixpath.join(path, url))  # a leading / starts at the host
     if joined == ".." or joined.startswith("../"):
         raise DatasetError(f"shard index {index}: {url!r} climbs above {scheme}://{host}/; fix the url")

@@ -288,9 +288,9 @@ class _LazyShards(_Shards):
                 n = len(self.index.classes or ())
                 if n and len(shard.labels) and shard.labels.max() >= n:  # labels are >= 0 (_label)
                     j = int(np.argmax(shard.labels >= n))
-                    raise DatasetError(f"shard {url}: sample {shard.keys[j]!r} has class {int(shard.labels[j])}, but "
-                                       f"its index {self.index.origin} names {n} classes (0 to {n - 1}); list every "
-                                       "class in the index's 'classes', or fix the shard's .cls files")
+                    raise DatasetError(f"shard {url}: sample {shard.keys[j]!r} has class {shard.labels[j]}, but its index "
+                                       f"{self.index.origin} names {n} classes (0 to {n - 1}); list every class in its "
+                                       "'classes', or fix the shard's .cls files")
                 self.loaded[s] = shard
         return self.loaded[s]
 
@@ -314,8 +314,7 @@ class _LazyShards(_Shards):
             return
         with self._lock:
             if self._behind is None:
-                urls = [u for u in self.index.urls if is_url(u)]
-                self._behind = iter(urls)
+                self._behind = iter(urls := [u for u in self.index.urls if is_url(u)])
                 for k in range(min(FETCHERS, len(urls))):
                     threading.Thread(target=self._fetch_behind, name=f"coordprep-behind-{k}", daemon=True).start()
 
@@ -325,9 +324,8 @@ class _LazyShards(_Shards):
         replaced by the next fetcher. A read that needs a shard fetches it itself, or waits on its lock."""
         while True:
             with self._lock:
-                url = next(self._behind, None)  # type: ignore[arg-type]
-            if url is None:
-                return
+                if (url := next(self._behind, None)) is None:  # type: ignore[arg-type]
+                    return
             try:
                 fetched([url])
             except Exception as e:  # that shard's own read raises its error, naming it
@@ -349,6 +347,8 @@ class _LazyLabels:
 
     def __getitem__(self, index):
         if isinstance(index, (int, np.integer)):
+            if not -len(self) <= index < len(self):  # before a shard is fetched for it
+                raise IndexError(f"label index {index} out of range for the {len(self)} samples of {self._shards.index.origin}")
             s, j = self._shards.find(int(index) + (len(self) if index < 0 else 0))
             return self._shards.shard(s).labels[j]
         return np.asarray(self)[index]
