@@ -54,7 +54,8 @@ class StreamPlan:
         sample_ids: Dataset indices of the training samples (any order; sorted internally).
         seed: Seed of the partition into segments and of each epoch's shuffle.
         chunk_size: Samples per piece; only the last piece of an epoch may be smaller.
-        segments: Requested join points per epoch (capped at the number of pieces).
+        segments: Requested join points per epoch (capped at the number of pieces; over shards, more
+            where a segment would span more than :data:`SHARDS_PER_SEGMENT` shards).
         shard_sizes: Samples per shard, where the dataset is read shard by shard (indices ``0 ..
             sizes[0] - 1`` are shard 0's, and so on): segments are then runs of shards in a seeded
             order. None: segments are drawn from a permutation of all samples.
@@ -72,6 +73,9 @@ class StreamPlan:
         self.samples_per_epoch = int(ids.size)
         self.chunks_per_epoch = math.ceil(ids.size / chunk_size)
         self.segment_chunks = math.ceil(self.chunks_per_epoch / min(segments, self.chunks_per_epoch))
+        if shard_sizes is not None:  # a piece draws from its segment's shards: a few, however many there are
+            most = SHARDS_PER_SEGMENT * ids.size // (len(shard_sizes) * chunk_size)  # pieces in that many shards
+            self.segment_chunks = max(1, min(self.segment_chunks, most))
         if shard_sizes is None:
             partition = np.random.default_rng((_ORDER_STREAM, seed)).permutation(ids)
         else:
@@ -130,6 +134,11 @@ class StreamPlan:
         order = rng.permutation(self._segments[segment])
         order.setflags(write=False)
         return order
+
+
+#: Where the data is read shard by shard, a segment spans about this many shards at most (the plan takes
+#: more segments than asked where needed): the first piece needs these, not ``1/segments`` of the shards.
+SHARDS_PER_SEGMENT = 8
 
 
 def _by_shards(ids: np.ndarray, shard_sizes: tuple[int, ...], seed: int) -> np.ndarray:

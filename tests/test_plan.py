@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from coordinated_prep.plan import StreamPlan, holdout_split
+from coordinated_prep.plan import SHARDS_PER_SEGMENT, StreamPlan, holdout_split
 from tests.harness import assert_exactly_once
 
 
@@ -92,3 +92,7 @@ def test_the_first_piece_over_many_shards_needs_a_few_of_them_where_a_plan_over_
     by_shards = StreamPlan(train, 0, chunk_size=16, segments=16, shard_sizes=sizes)
     by_samples = StreamPlan(train, 0, chunk_size=16, segments=16)
     assert shards(by_shards) <= 6 < 12 <= shards(by_samples)
+    # 1,024 shards: 16 segments would give a piece 64 of them to fetch first; the plan takes more segments
+    many = StreamPlan(np.arange(102_400), 0, chunk_size=256, segments=16, shard_sizes=(100,) * 1024)
+    assert many.num_segments > 16
+    assert max(len(set((many.chunk_samples(g) // 100).tolist())) for g in range(0, 400, 7)) <= SHARDS_PER_SEGMENT + 1
