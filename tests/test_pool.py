@@ -194,3 +194,54 @@ def test_growth_is_safe_after_every_step_and_serves_waiting_trials_within_its_bo
     assert growth.tick(2.0, 1, False, 2.0, 0.0) is None and growth.actors == most
     while lends and growth.shares > 0:
         assert RELEASE in [growth.tick(0.0, 1, False, 2.0, 0.0) for _ in range(CALM)], "a calm pool kept its CPUs"
+
+
+def test_the_waits_during_an_actors_start_do_not_grow_the_pool_again():
+    """The registry's tick (:class:`~coordinated_prep.stream.growth.PoolGrowth`) with a coordinator and a
+    pool of its own: the actor the trials' waits asked for takes 20 s to start, during which they go on
+    waiting; once it is there nobody waits, so the pool stays at 2 (those 20 s, counted in the next
+    window, grew it to its most)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from coordinated_prep.pool.elastic import TICK_S
+    from coordinated_prep.stream.growth import PoolGrowth
+
+    class Coordinator:  # the demand a coordinator reports: its trials' blocked seconds so far
+        def __init__(self) -> None:
+            self.waited_s = 0.0
+            self.demand = SimpleNamespace(remote=self._demand)
+            self.set_actors = SimpleNamespace(remote=self._set_actors)
+
+        async def _demand(self) -> dict:
+            return {"waited_s": self.waited_s, "lease_s": 0.0, "trials": 1}
+
+        async def _set_actors(self, actors) -> None:
+            pass
+
+    coordinator = Coordinator()
+
+    class Pool:
+        node, each, reserved_cpus, given_up_why = "node-a", 0.5, 0.5, ""
+
+        def __init__(self) -> None:
+            self.growth, self.actors = Growth(most=8), ["actor-0"]
+
+        async def grow(self) -> bool:
+            coordinator.waited_s += 20.0  # the trial waits on the one actor while the second starts
+            self.actors.append(f"actor-{len(self.actors)}")
+            return True
+
+    registry = PoolGrowth()
+    registry._groups = {"g": SimpleNamespace(node="node-a", actor=coordinator)}
+    pool, seen = Pool(), {None: 0.0}
+
+    async def ticks(blocked: list[float]) -> None:
+        for waited in blocked:
+            coordinator.waited_s += waited
+            await registry._tick(pool, seen, 0.0)
+
+    asyncio.run(ticks([TICK_S] * PATIENCE))  # blocked every whole tick: one actor more
+    assert pool.growth.actors == 2 and len(pool.actors) == 2
+    asyncio.run(ticks([0.0] * (PATIENCE + 2)))  # the new actor keeps up: nobody waits any more
+    assert pool.growth.actors == 2 and not pool.growth.starting, pool.growth.report()["decisions"]

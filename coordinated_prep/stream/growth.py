@@ -38,8 +38,8 @@ class PoolGrowth:
         tick (summed over its groups), its trials and whether a lease clock ran go to the growth rule;
         an actor it asks for is started, then handed to every coordinator of the node (a coordinator
         started meanwhile got the pool's list); a share it gives back or asks for is removed or taken."""
-        seen: dict = {}
-        began = time.monotonic()
+        seen: dict = {}  # per coordinator, its answer at the last look; None: when that look was
+        began = seen[None] = time.monotonic()
         while not pool.growth.settled:
             try:
                 await asyncio.wait_for(closing.wait(), TICK_S)
@@ -53,9 +53,9 @@ class PoolGrowth:
                                  len(pool.actors))
                 return
 
-    async def _tick(self, pool: NodePool, seen: dict, began: float) -> None:
-        """One look at the node's demand (``seen``: per coordinator, its answer at the last look), and
-        the actor the rule asks for, if any."""
+    async def _look(self, pool: NodePool, seen: dict) -> tuple[float, int, bool, float]:
+        """The node's demand since the last look (``seen``: per coordinator, its answer then; at ``None``,
+        when): seconds its trials were blocked, its trials, whether a lease clock ran, and the seconds since."""
         coordinators = [g.actor for g in self._groups.values() if g.node == pool.node and g.actor is not None]
         answers = await asyncio.gather(*(asyncio.wait_for(a.demand.remote(), CALL_TIMEOUT_S) for a in coordinators),
                                        return_exceptions=True)
@@ -67,9 +67,17 @@ class PoolGrowth:
                 leased = leased or answer["lease_s"] > last["lease_s"]
                 trials += answer["trials"]
                 seen[actor] = answer
-        for gone in [a for a in seen if a not in coordinators]:  # bounded by the node's live groups
+        for gone in [a for a in seen if a is not None and a not in coordinators]:  # bounded by the live groups
             del seen[gone]
-        what = pool.growth.tick(waited, trials, leased, TICK_S, time.monotonic() - began)
+        now = time.monotonic()
+        since, seen[None] = now - seen[None], now
+        return waited, trials, leased, since
+
+    async def _tick(self, pool: NodePool, seen: dict, began: float) -> None:
+        """One look at the node's demand, and the actor the rule asks for, if any."""
+        waited, trials, leased, since = await self._look(pool, seen)
+        # the waits over the time they were counted in: a tick, or more where a look took long
+        what = pool.growth.tick(waited, trials, leased, max(TICK_S, since), time.monotonic() - began)
         if what is None:
             return
         if what == RELEASE:
@@ -81,6 +89,7 @@ class PoolGrowth:
                     f"starting prep actor {pool.growth.actors + 1} of at most {pool.growth.most}" if what == GROW
                     else f"taking {pool.each:.2f} CPUs back for its actors")
         added = await (pool.grow() if what == GROW else pool.reserve())
+        await self._look(pool, seen)  # the trials' waits during that start are not the next window's
         pool.growth.started(added, time.monotonic() - began, "" if added else pool.given_up_why)
         _gauges(pool)
         if added and what == GROW:
