@@ -180,8 +180,9 @@ def test_a_restore_that_ends_or_restarts_the_running_trials_frees_their_places(t
     """Tune's default resume runs the unfinished trials again under their ids, and each completes:
     they keep their places. Where it ends them (SKIP) or restarts them under new ids (RESTART),
     none completes under its id: they must not hold max_concurrent's places for ever (the sweep
-    would wait with nothing running). A trial Tune runs that this searcher did not release (a
-    restarted one, an errored one resumed) holds a place from its first result to its end."""
+    would wait with nothing running). A restarted one keeps its place, unnamed, until its new id
+    reports (more trials than max_concurrent ran meanwhile); a trial Tune runs that this searcher
+    did not release (an errored one resumed) holds a place from its first result to its end."""
     from ray import tune
     from ray.tune import ResumeConfig
 
@@ -203,6 +204,12 @@ def test_a_restore_that_ends_or_restarts_the_running_trials_frees_their_places(t
     kept = restored(ResumeConfig())  # Tune's default: RESUME
     assert kept._order.running() == 2 and kept._release() is None
     freed = restored(ResumeConfig(unfinished=ResumeConfig.ResumeType(unfinished)))
+    if unfinished == "restart":
+        assert freed._order.running() == 2 and freed._release() is None, "the restarted trials hold theirs"
+        freed._order.adopt("restarted-0")  # its first result, under its new id
+        freed._order.complete("restarted-1")  # over before it reported
+        assert freed._order.running() == 1
+        freed._order.complete("restarted-0")
     assert freed._order.running() == 0
     assert freed._release() and freed._release() and freed._release() is None, "two places free again"
     freed._order.complete("no such trial")
@@ -216,6 +223,63 @@ def test_a_restore_that_ends_or_restarts_the_running_trials_frees_their_places(t
     assert order.running() == 2 and order.live() == {"A": 1}
     order.complete("restarted")
     assert order.running() == 1
+
+
+def test_a_model_based_searchers_restore_that_ends_the_running_trials_frees_its_limiters_places(tmp_path):
+    """The inner ConcurrencyLimiter (max_concurrent + window - 1) learns that the skipped trials are
+    over, as the searcher does: it kept their ids for ever, so 1 trial ran at a time of 4."""
+    from ray import tune
+    from ray.tune import ResumeConfig
+    from ray.tune.search import Searcher
+
+    from coordinated_prep import CoordinatedSearcher
+
+    class Counting(Searcher):
+        def __init__(self):
+            super().__init__(metric="accuracy", mode="max")
+            self.n = 0
+
+        def suggest(self, trial_id):
+            if self.n >= 20:
+                return Searcher.FINISHED
+            self.n += 1
+            return {"i": self.n - 1}
+
+        def on_trial_complete(self, trial_id, result=None, error=False):
+            pass
+
+        def save(self, path):
+            with open(path, "w") as f:
+                f.write(str(self.n))
+
+        def restore(self, path):
+            with open(path) as f:
+                self.n = int(f.read())
+
+    tune.register_trainable("coordprep_limiter_test", tune.with_resources(lambda config: None, {"cpu": 0.5}))
+
+    def searcher():
+        made = CoordinatedSearcher(Counting(), max_concurrent=4, window=2)
+        made.add_configurations({"sweep": {"run": "coordprep_limiter_test", "config": {}, "num_samples": 20}})
+        return made
+
+    first = searcher()
+    while first._release() is not None:
+        pass
+    assert first._order.running() == 4
+    first.save_to_dir(str(tmp_path), session_str="s")
+    again = searcher()
+    again._inner.restore_from_dir(str(tmp_path))
+    again._restore_order(str(tmp_path), ResumeConfig(unfinished=ResumeConfig.ResumeType.SKIP))
+    running, most = [], 0
+    while not again.is_finished():
+        trial = again._release() if len(running) < 4 else None
+        if trial is None:
+            again.on_trial_complete(running.pop(0).trial_id, result={"accuracy": 0.5})
+            continue
+        running.append(trial)
+        most = max(most, len(running))
+    assert most == 4
 
 
 # -- a model-based searcher's bounded look-ahead ----------------------------------------------------

@@ -59,6 +59,7 @@ class GroupOrder:
     _waiting: list[_Waiting] = field(default_factory=list)
     _live: Counter = field(default_factory=Counter)  # group -> trials released and not complete
     _groups: dict[Any, Hashable | None] = field(default_factory=dict)  # released trial id -> its group
+    _unclaimed: int = 0  # running trials a restored sweep restarts under ids not known yet (see forget_running)
 
     def __post_init__(self) -> None:
         if self.window < 1 or self.patience < 0:
@@ -84,7 +85,7 @@ class GroupOrder:
 
     def running(self) -> int:
         """Suggestions released and not complete (Tune's live trials of this searcher)."""
-        return len(self._groups)
+        return len(self._groups) + self._unclaimed
 
     def release(self) -> Any | None:
         """The next suggestion by the rule, counted live until :meth:`complete` is told its key;
@@ -102,6 +103,8 @@ class GroupOrder:
 
     def complete(self, trial_id: Hashable) -> Hashable | None:
         """Trial ``trial_id`` is over (finished, stopped or errored); its group (None for unknown ids)."""
+        if trial_id not in self._groups and self._unclaimed:  # a restarted trial over before it reported
+            self._unclaimed -= 1
         group = self._groups.pop(trial_id, None)
         if group is not None:
             self._live[group] -= 1
@@ -113,13 +116,16 @@ class GroupOrder:
         """Count trial ``trial_id`` as running if it is not counted: a trial Tune runs that this order
         never released (an errored trial a restored sweep resumes, a trial it restarts under a new id)."""
         if trial_id not in self._groups:
+            self._unclaimed -= bool(self._unclaimed)  # it takes the place its restart kept for it
             self._groups[trial_id] = None
 
-    def forget_running(self) -> int:
-        """Count no released trial as running any more; returns how many were. For a restored sweep
-        whose unfinished trials Tune ends or restarts under new ids: none of them completes under its
-        id, so each would hold a place of ``max_concurrent`` for ever."""
-        dropped = len(self._groups)
+    def forget_running(self, restarted: bool) -> list[Hashable]:
+        """Forget the released trials' ids; returns them. For a restored sweep whose unfinished trials
+        Tune ends (``restarted`` False) or restarts under new ids: none of them completes under its id,
+        so each would hold a place of ``max_concurrent`` for ever. A restarted one keeps its place,
+        unnamed, until its new id reports (:meth:`adopt`) or completes."""
+        dropped = list(self._groups)
+        self._unclaimed = len(dropped) if restarted else 0
         self._groups.clear()
         self._live.clear()
         return dropped

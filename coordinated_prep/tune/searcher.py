@@ -272,15 +272,21 @@ class CoordinatedSearcher(RegistryStart, SearchAlgorithm):
         """Take back the suggestions that were held back when Tune saved ``dirpath``, and the trials
         then running, as running again where Tune resumes them under their ids (``resume``: the
         restore's ``ResumeConfig``, None for Tune's default, which does). Where it ends them or
-        restarts them under new ids, none is counted (a restarted one is, once it reports)."""
+        restarts them under new ids, their ids are over: for the order (a restarted one keeps its place
+        until its new id reports) and for the inner search algorithm and its limiter."""
         path = os.path.join(dirpath, ORDER_FILE)
         if self._lookahead and os.path.exists(path):
             with open(path, "rb") as f:
                 self._order = cloudpickle.load(f)
             unfinished = getattr(resume, "unfinished", ResumeConfig.ResumeType.RESUME)
-            if unfinished != ResumeConfig.ResumeType.RESUME and self._order.forget_running():
-                logger.info("coordinated_prep: the restored sweep's unfinished trials were %s, so none of them "
-                            "counts against max_concurrent any more", getattr(unfinished, "value", unfinished))
+            if unfinished == ResumeConfig.ResumeType.RESUME:
+                return
+            ended = self._order.forget_running(restarted=unfinished == ResumeConfig.ResumeType.RESTART)
+            for trial_id in ended:  # over under these ids: the inner limiter's places and its searcher learn it
+                self._inner.on_trial_complete(trial_id, error=True)
+            if ended:
+                logger.info("coordinated_prep: the restored sweep's %d unfinished trials were %s under their ids",
+                            len(ended), getattr(unfinished, "value", unfinished))
 
     # -- data groups ------------------------------------------------------------------------
     def start(self) -> None:
