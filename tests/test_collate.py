@@ -84,6 +84,35 @@ def test_a_collate_fns_own_type_and_dict_batches_reach_the_loop_as_from_a_datalo
         list(range(40))
     assert set(default[0].keys()) == {"pixel_values", "labels"} and not hasattr(list(train_loader(
         _spec(Sized(16), holdout=0.0), 8, epochs=1, num_workers=0))[0], "keys"), "tuple samples: no keys, as a tuple"
+    # A dict batch is a Mapping, as default_collate's dict is: Lightning finds its batch size in its values
+    # (a Trainer logging on_epoch failed: "We could not infer the batch_size from the batch").
+    from collections.abc import Mapping
+
+    from pytorch_lightning.utilities.data import extract_batch_size
+
+    assert isinstance(default[0], Mapping) and extract_batch_size(default[0]) == 8 and len(default[0]) == 8
+    assert dict(default[0]).keys() == {"pixel_values", "labels"} and "labels" in default[0]
+    assert torch.equal(default[0].to("cpu")["labels"], default[0]["labels"]) and isinstance(default[0].to("cpu"), Mapping)
+
+
+def test_a_namedtuple_pair_reaches_the_collate_fn_as_the_dataset_gave_it():
+    import collections
+
+    Pair = collections.namedtuple("Pair", ["x", "y"])
+
+    class Named(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 16
+
+        def __getitem__(self, i: int):
+            return Pair(torch.full((2,), float(i)), i)
+
+    def collate(samples):  # a team's collate_fn reading the fields by name (it got plain tuples)
+        return torch.stack([s.x for s in samples]), torch.tensor([s.y for s in samples])
+
+    [(x, y)] = list(train_loader(_spec(Named(), holdout=0.0, chunk_size=16), 16, epochs=1, num_workers=0,
+                                 collate_fn=collate))
+    assert sorted(y.tolist()) == list(range(16)) and torch.equal(x[:, 0], y.float())
 
 
 def test_default_batches_keep_tv_tensors_where_default_collate_would_and_ragged_entries_keep_theirs():

@@ -240,6 +240,8 @@ class Joint:
             inputs = self.transform(inputs)
         if self.target_transform is not None:
             target = self.target_transform(target)
+        if hasattr(sample, "_fields"):  # a namedtuple pair stays one (its collate_fn reads .x and .y)
+            return type(sample)(inputs, target)
         return (inputs, target) if isinstance(sample, tuple) else [inputs, target]
 
 

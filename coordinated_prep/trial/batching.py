@@ -10,6 +10,7 @@ view too. The loaders report the fraction copied and the CPU this costs the tria
 
 from __future__ import annotations
 
+import collections.abc
 import math
 import time
 import warnings
@@ -53,6 +54,8 @@ class Batch:
                  repeats: torch.Tensor | None = None) -> None:
         self.layout, self.leaves = layout, list(leaves)
         self.data = collate(layout.tree, layout.present(self.leaves))
+        if not isinstance(self.data, (tuple, list)) and isinstance(self.data, Mapping):  # tuples: no ABC check
+            self.__class__ = _MappingBatch
         self.indices, self.stream_epochs = indices, stream_epochs
         self.repeats = repeats if repeats is not None else torch.zeros_like(indices)
         self.collate_fn: Callable[[list[Any]], Any] | None = None
@@ -79,7 +82,7 @@ class Batch:
     def to(self, *args: Any, **kwargs: Any) -> "Batch":
         """The batch with every tensor of :attr:`data` moved as ``Tensor.to(*args, **kwargs)`` moves
         it (Lightning moves a batch to the device through this)."""
-        out = Batch.__new__(Batch)
+        out = Batch.__new__(type(self))
         for name in Batch.__slots__:
             setattr(out, name, getattr(self, name))
         out.data = _moved(self.data, args, kwargs)
@@ -111,6 +114,29 @@ class Batch:
     def labels(self) -> torch.Tensor:
         """The targets of ``(input, target)`` samples (``data[1]``)."""
         return self.data[1]
+
+
+class _MappingBatch(Batch):
+    """A batch of dict samples: a ``Mapping`` of its data's keys, as a ``DataLoader``'s dict batch is
+    (Lightning finds its batch size through ``values()``; ``dict(batch)`` is the collated dict).
+    ``len(batch)`` stays the number of samples."""
+
+    __slots__ = ()
+
+    def values(self) -> Any:
+        return self.data.values()
+
+    def items(self) -> Any:
+        return self.data.items()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self.data.get(key, default)
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.data
+
+
+collections.abc.Mapping.register(_MappingBatch)
 
 
 def _moved(value: Any, args: tuple, kwargs: dict) -> Any:
