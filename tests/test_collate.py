@@ -77,8 +77,11 @@ def test_a_collate_fns_own_type_and_dict_batches_reach_the_loop_as_from_a_datalo
     ours = list(train_loader(spec, 8, epochs=1, num_workers=0, collate_fn=Inputs))
     assert all(type(b) is Inputs for b in ours) and sum(len(b.labels) for b in ours) == 40
     assert sorted(int(x) for b in ours for x in b.labels) == list(range(40))
-    evaluated = list(eval_loader(_spec(Records(), chunk_size=8), 2, collate_fn=Inputs))  # 4 held out
+    held = eval_loader(_spec(Records(), chunk_size=8), 2, collate_fn=Inputs)
+    evaluated = list(held)  # 4 held out
     assert len(evaluated) == 2 and all(type(b) is Inputs for b in evaluated)
+    # `loss / len(loader.dataset)`, as over a DataLoader: the samples a pass reads
+    assert len(held.dataset) == 4 and len(train_loader(spec, 8, epochs=1, num_workers=0).dataset) == 40
     default = list(train_loader(spec, 8, epochs=1, num_workers=0))  # default_collate's dict, spread into a model
     assert [forward(**b)[0] for b in default] == [8] * 5 and sorted(sum((forward(**b)[1] for b in default), [])) == \
         list(range(40))

@@ -21,14 +21,30 @@ def check_collate(collate_fn: Any, who: str) -> None:
                           "batch's samples, as to a DataLoader, or None")
 
 
+class Samples:
+    """A loader's ``dataset``: the samples one pass reads, as ``len(loader.dataset)`` counts a
+    ``DataLoader``'s (``test_loss /= len(test_loader.dataset)``). Not indexable: the loaders read
+    prepared pieces, not samples by index (the dataset itself is the spec's)."""
+
+    def __init__(self, count: Callable[[], int], what: str) -> None:
+        self._count, self._what = count, what
+
+    def __len__(self) -> int:
+        return self._count()
+
+    def __repr__(self) -> str:
+        return f"<{self._what}: {len(self)} samples>"
+
+
 class EvalLoader:
     """The held-out split in batches, one full pass per ``iter()``, like a ``DataLoader`` over it
-    (Lightning iterates validation data every epoch). ``len()`` is the number of batches of a pass."""
+    (Lightning iterates validation data every epoch). ``len()`` is the number of batches of a pass;
+    ``len(loader.dataset)`` the held-out samples."""
 
     def __init__(self, spec: DataSpec, batch_size: int,
                  collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
         self.spec, self.batch_size, self.collate_fn = spec, batch_size, collate_fn
-        self._batches: int | None = None
+        self._held: int | None = None
 
     def __iter__(self) -> Iterator[Batch]:
         spec = self.spec
@@ -41,10 +57,14 @@ class EvalLoader:
         return (batch.collated(self.collate_fn).data for batch in batches)  # what it returned, as a DataLoader
 
     def __len__(self) -> int:
-        if self._batches is None:
-            held = len(held_out(self.spec, len(make_pipeline(self.spec))))
-            self._batches = math.ceil(held / self.batch_size)
-        return self._batches
+        return math.ceil(len(self.dataset) / self.batch_size)
+
+    @property
+    def dataset(self) -> Samples:
+        """The held-out split's samples (``len()`` only; counted once, from the dataset's size)."""
+        if self._held is None:
+            self._held = len(held_out(self.spec, len(make_pipeline(self.spec))))
+        return Samples(lambda: self._held, "held-out split")  # type: ignore[arg-type, return-value]
 
     def __bool__(self) -> bool:  # ``if loader:`` must not open the dataset to count
         return True

@@ -17,7 +17,7 @@ from coordinated_prep.errors import ConfigError
 from coordinated_prep.spec import DataSpec, resolve_spec  # noqa: F401  (re-exported)
 from coordinated_prep.trial.batching import Batch, Batcher, BatchStats
 from coordinated_prep.trial.echo import EchoCounts, EchoSpec, echoed, epoch_rng
-from coordinated_prep.trial.eval_loader import EvalLoader, check_collate, eval_loader  # noqa: F401  (re-exported)
+from coordinated_prep.trial.eval_loader import EvalLoader, Samples, check_collate, eval_loader  # noqa: F401
 from coordinated_prep.trial.pinning import _accelerator, pinned
 from coordinated_prep.trial.calls import find_registry, has_registry
 from coordinated_prep.pipeline.part import Part
@@ -78,14 +78,14 @@ class TrainLoader:
         self.epoch = 0
         # fresh samples per epoch (this rank's share, its pads included, in a data-parallel trial)
         self.samples_per_epoch = shard.samples(self._epoch_samples) if shard else self._epoch_samples
+        self.dataset = Samples(lambda: self._epoch_samples, "training split")  # as len(DataLoader.dataset)
         self.echo = echo or EchoSpec()
         self.views = views
         self._seed = seed
         self._pin = pin_memory and _accelerator("train_loader")
         self.collate_fn = collate_fn
-        self.epochs_read = 0  # epochs read to their end
-        self.epoch_wall_s = 0.0  # seconds from each read epoch's first request to its end, summed
-        self.read_wait_s = 0.0  # data_wait_s of the epochs read to their end
+        # epochs read to their end; the seconds from each one's first request to its end, and blocked, summed
+        self.epochs_read, self.epoch_wall_s, self.read_wait_s = 0, 0.0, 0.0
         self.sink: Any = None  # the sweep's registry, told what this loader measured after each epoch
         self.stats = BatchStats()  # batches cut, how many were copies, and the CPU they cost this trial
         self.echo_counts = EchoCounts()  # fresh and repeated samples, all epochs together
