@@ -178,3 +178,21 @@ def test_an_iterator_made_and_never_read_takes_no_epoch(spec):
     first = list(loader)
     assert loader.epoch == 1 and set(torch.cat([b.stream_epochs for b in first]).tolist()) == {0}
     assert len(list(loader)) == len(first) and loader.epoch == 2  # both declared epochs are still there
+
+
+def test_a_loader_is_freed_by_its_last_reference(spec):
+    """No reference cycle holds a loader: a shared trial's loader leaves its group when Tune drops it (a
+    paused trial), not at a later garbage collection (a `loader.dataset` holding its loader stalled a PBT sweep)."""
+    import gc
+    import weakref
+
+    loader = train_loader(spec, 8, epochs=2)
+    next(iter(loader))
+    assert len(loader.dataset) == loader.samples_per_epoch == 162  # the small dataset's training split
+    freed = weakref.ref(loader)
+    gc.disable()
+    try:
+        del loader
+        assert freed() is None
+    finally:
+        gc.enable()

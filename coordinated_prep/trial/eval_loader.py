@@ -26,11 +26,11 @@ class Samples:
     ``DataLoader``'s (``test_loss /= len(test_loader.dataset)``). Not indexable: the loaders read
     prepared pieces, not samples by index (the dataset itself is the spec's)."""
 
-    def __init__(self, count: Callable[[], int], what: str) -> None:
-        self._count, self._what = count, what
+    def __init__(self, count: int, what: str) -> None:  # a count, not its loader: a loader is freed by its
+        self._count, self._what = count, what          # last reference (a paused trial leaves its group then)
 
     def __len__(self) -> int:
-        return self._count()
+        return self._count
 
     def __repr__(self) -> str:
         return f"<{self._what}: {len(self)} samples>"
@@ -64,7 +64,7 @@ class EvalLoader:
         """The held-out split's samples (``len()`` only; counted once, from the dataset's size)."""
         if self._held is None:
             self._held = len(held_out(self.spec, len(make_pipeline(self.spec))))
-        return Samples(lambda: self._held, "held-out split")  # type: ignore[arg-type, return-value]
+        return Samples(self._held, "held-out split")
 
     def __bool__(self) -> bool:  # ``if loader:`` must not open the dataset to count
         return True

@@ -78,7 +78,7 @@ class TrainLoader:
         self.epoch = 0
         # fresh samples per epoch (this rank's share, its pads included, in a data-parallel trial)
         self.samples_per_epoch = shard.samples(self._epoch_samples) if shard else self._epoch_samples
-        self.dataset = Samples(lambda: self._epoch_samples, "training split")  # as len(DataLoader.dataset)
+        self.dataset = Samples(self._epoch_samples, "training split")  # as len(DataLoader.dataset)
         self.echo = echo or EchoSpec()
         self.views = views
         self._seed = seed
